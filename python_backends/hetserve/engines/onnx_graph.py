@@ -1,0 +1,157 @@
+"""Build the Llama forward graph directly in ONNX (opset 17, standard ops only, TensorRT-friendly).
+
+One graph serves prefill and decode steps ("forward with past"):
+
+  inputs   input_ids      int64  [B, T]
+           position_ids   int64  [B, T]
+           attention_mask float32 [B, 1, T, P+T]   additive (0 = attend, -1e9 = masked)
+           past_key       float32 [L, B, KVH, P, D] (P may be 0)
+           past_value     float32 [L, B, KVH, P, D]
+           last_index     int64  [B]               position in T whose logits are returned
+  outputs  logits         float32 [B, V]
+           present_key    float32 [L, B, KVH, T, D] K (after RoPE) of the T new tokens only
+           present_value  float32 [L, B, KVH, T, D]
+
+The host owns the KV cache (paged pool); the graph never sees more than the past it is given.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..model.checkpoint import Checkpoint
+
+OPSET = 17
+INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "past_key", "past_value", "last_index")
+OUTPUT_NAMES = ("logits", "present_key", "present_value")
+
+
+class _G:
+    def __init__(self):
+        self.nodes, self.inits, self._n = [], [], 0
+
+    def name(self, base):
+        self._n += 1
+        return f"{base}_{self._n}"
+
+    def const(self, arr, base="c"):
+        n = self.name(base)
+        self.inits.append(numpy_helper.from_array(np.asarray(arr), n))
+        return n
+
+    def op(self, op_type, inputs, base=None, n_out=1, **attrs):
+        outs = [self.name(base or op_type) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name("n_" + op_type), **attrs))
+        return outs[0] if n_out == 1 else outs
+
+
+def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
+    c = ckpt.config
+    W = ckpt.weights
+    L, H, KVH, D, C = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+    G = H // KVH
+    g = _G()
+    i64 = lambda v: g.const(np.array(v, dtype=np.int64), "i64")  # noqa: E731
+    f32 = lambda v: g.const(np.array(v, dtype=np.float32), "f32")  # noqa: E731
+
+    def weight_t(name):  # MatMul(x, W^T) with W stored [out, in]
+        n = name.replace(".", "_")
+        g.inits.append(numpy_helper.from_array(np.ascontiguousarray(W[name].T), n))
+        return n
+
+    def rmsnorm(x, wname):
+        wn = name_init(wname)
+        var = g.op("ReduceMean", [g.op("Mul", [x, x])], axes=[-1], keepdims=1)
+        inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [var, eps])])])
+        return g.op("Mul", [g.op("Mul", [x, inv]), wn])
+
+    def name_init(wname):
+        n = wname.replace(".", "_")
+        g.inits.append(numpy_helper.from_array(W[wname].astype(np.float32), n))
+        return n
+
+    eps = f32(c.rms_norm_eps)
+    shape_ids = g.op("Shape", ["input_ids"])
+    B = g.op("Gather", [shape_ids, i64(0)], axis=0)
+    T = g.op("Gather", [shape_ids, i64(1)], axis=0)
+    B1, T1 = g.op("Unsqueeze", [B, i64([0])]), g.op("Unsqueeze", [T, i64([0])])
+
+    emb = name_init("model.embed_tokens.weight")
+    h = g.op("Gather", [emb, "input_ids"], axis=0)  # [B,T,C]
+
+    # RoPE tables from explicit positions (HF rotate_half convention)
+    inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    pos = g.op("Cast", ["position_ids"], to=TensorProto.FLOAT)
+    freqs = g.op("Mul", [g.op("Unsqueeze", [pos, i64([-1])]), f32(inv_freq.astype(np.float32))])  # [B,T,D/2]
+    embp = g.op("Concat", [freqs, freqs], axis=-1)
+    cos = g.op("Unsqueeze", [g.op("Cos", [embp]), i64([1])])  # [B,1,T,D]
+    sin = g.op("Unsqueeze", [g.op("Sin", [embp]), i64([1])])
+    half = D // 2
+
+    def rope(x):  # x [B,n,T,D]
+        x1 = g.op("Slice", [x, i64([0]), i64([half]), i64([-1])])
+        x2 = g.op("Slice", [x, i64([half]), i64([D]), i64([-1])])
+        rot = g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
+        return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rot, sin])])
+
+    def heads(x, n):  # [B,T,n*D] -> [B,n,T,D]
+        r = g.op("Reshape", [x, g.op("Concat", [B1, T1, i64([n, D])], axis=0)])
+        return g.op("Transpose", [r], perm=[0, 2, 1, 3])
+
+    mask5 = g.op("Unsqueeze", ["attention_mask", i64([1])])  # [B,1,1,T,S]
+    scale = f32(1.0 / np.sqrt(D))
+    pres_k, pres_v = [], []
+    for li in range(L):
+        p = f"model.layers.{li}."
+        x = rmsnorm(h, p + "input_layernorm.weight")
+        q = rope(heads(g.op("MatMul", [x, weight_t(p + "self_attn.q_proj.weight")]), H))
+        k = rope(heads(g.op("MatMul", [x, weight_t(p + "self_attn.k_proj.weight")]), KVH))
+        v = heads(g.op("MatMul", [x, weight_t(p + "self_attn.v_proj.weight")]), KVH)
+        pres_k.append(g.op("Unsqueeze", [k, i64([0])]))
+        pres_v.append(g.op("Unsqueeze", [v, i64([0])]))
+        pk = g.op("Gather", ["past_key", i64(li)], axis=0)
+        pv = g.op("Gather", ["past_value", i64(li)], axis=0)
+        K = g.op("Unsqueeze", [g.op("Concat", [pk, k], axis=2), i64([2])])  # [B,KVH,1,S,D]
+        V = g.op("Unsqueeze", [g.op("Concat", [pv, v], axis=2), i64([2])])
+        qg = g.op("Reshape", [g.op("Mul", [q, scale]), g.op("Concat", [B1, i64([KVH, G]), T1, i64([D])], axis=0)])
+        scores = g.op("Add", [g.op("MatMul", [qg, g.op("Transpose", [K], perm=[0, 1, 2, 4, 3])]), mask5])
+        ctx = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), V])  # [B,KVH,G,T,D]
+        ctx = g.op("Reshape", [ctx, g.op("Concat", [B1, i64([H]), T1, i64([D])], axis=0)])
+        ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]),
+                               g.op("Concat", [B1, T1, i64([H * D])], axis=0)])
+        h = g.op("Add", [h, g.op("MatMul", [ctx, weight_t(p + "self_attn.o_proj.weight")])])
+        x = rmsnorm(h, p + "post_attention_layernorm.weight")
+        gate = g.op("MatMul", [x, weight_t(p + "mlp.gate_proj.weight")])
+        up = g.op("MatMul", [x, weight_t(p + "mlp.up_proj.weight")])
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+        h = g.op("Add", [h, g.op("MatMul", [act, weight_t(p + "mlp.down_proj.weight")])])
+
+    h = rmsnorm(h, "model.norm.weight")
+    flat = g.op("Reshape", [h, i64([-1, C])])
+    rows = g.op("Add", [g.op("Mul", [g.op("Range", [i64(0), B, i64(1)]), T]), "last_index"])
+    last = g.op("Gather", [flat, rows], axis=0)  # [B,C]
+    lm = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    g.inits.append(numpy_helper.from_array(np.ascontiguousarray(W[lm].T), "lm_head_t"))
+    g.nodes.append(helper.make_node("MatMul", [last, "lm_head_t"], ["logits"], name="n_lm_head"))
+    g.nodes.append(helper.make_node("Concat", pres_k, ["present_key"], axis=0, name="n_present_key"))
+    g.nodes.append(helper.make_node("Concat", pres_v, ["present_value"], axis=0, name="n_present_value"))
+
+    F, I = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [
+        helper.make_tensor_value_info("input_ids", I, ["B", "T"]),
+        helper.make_tensor_value_info("position_ids", I, ["B", "T"]),
+        helper.make_tensor_value_info("attention_mask", F, ["B", 1, "T", "S"]),
+        helper.make_tensor_value_info("past_key", F, [L, "B", KVH, "P", D]),
+        helper.make_tensor_value_info("past_value", F, [L, "B", KVH, "P", D]),
+        helper.make_tensor_value_info("last_index", I, ["B"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("logits", F, ["B", c.vocab_size]),
+        helper.make_tensor_value_info("present_key", F, [L, "B", KVH, "T", D]),
+        helper.make_tensor_value_info("present_value", F, [L, "B", KVH, "T", D]),
+    ]
+    graph = helper.make_graph(g.nodes, "hetserve_llama", inputs, outputs, initializer=g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="hetserve")
+    model.ir_version = 8
+    return model
