@@ -5,14 +5,15 @@ One graph serves prefill and decode steps ("forward with past"):
   inputs   input_ids      int64  [B, T]
            position_ids   int64  [B, T]
            attention_mask float32 [B, 1, T, P+T]   additive (0 = attend, -1e9 = masked)
-           past_key       float32 [L, B, KVH, P, D] (P may be 0)
-           past_value     float32 [L, B, KVH, P, D]
+           past_key       float32 [B, L, KVH, P, D] (P may be 0)
+           past_value     float32 [B, L, KVH, P, D]
            last_index     int64  [B]               position in T whose logits are returned
   outputs  logits         float32 [B, V]
-           present_key    float32 [L, B, KVH, T, D] K (after RoPE) of the T new tokens only
-           present_value  float32 [L, B, KVH, T, D]
+           present_key    float32 [B, L, KVH, T, D] K (after RoPE) of the T new tokens only
+           present_value  float32 [B, L, KVH, T, D]
 
-The host owns the KV cache (paged pool); the graph never sees more than the past it is given.
+Batch-major KV ([B, ...]) lets the decode batcher keep one buffer whose first n rows are the running batch
+(contiguous, no per-step copy). The host owns the KV cache; the graph only sees the past it is given.
 """
 from __future__ import annotations
 
@@ -108,10 +109,10 @@ def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
         q = rope(heads(g.op("MatMul", [x, weight_t(p + "self_attn.q_proj.weight")]), H))
         k = rope(heads(g.op("MatMul", [x, weight_t(p + "self_attn.k_proj.weight")]), KVH))
         v = heads(g.op("MatMul", [x, weight_t(p + "self_attn.v_proj.weight")]), KVH)
-        pres_k.append(g.op("Unsqueeze", [k, i64([0])]))
-        pres_v.append(g.op("Unsqueeze", [v, i64([0])]))
-        pk = g.op("Gather", ["past_key", i64(li)], axis=0)
-        pv = g.op("Gather", ["past_value", i64(li)], axis=0)
+        pres_k.append(g.op("Unsqueeze", [k, i64([1])]))
+        pres_v.append(g.op("Unsqueeze", [v, i64([1])]))
+        pk = g.op("Gather", ["past_key", i64(li)], axis=1)
+        pv = g.op("Gather", ["past_value", i64(li)], axis=1)
         K = g.op("Unsqueeze", [g.op("Concat", [pk, k], axis=2), i64([2])])  # [B,KVH,1,S,D]
         V = g.op("Unsqueeze", [g.op("Concat", [pv, v], axis=2), i64([2])])
         qg = g.op("Reshape", [g.op("Mul", [q, scale]), g.op("Concat", [B1, i64([KVH, G]), T1, i64([D])], axis=0)])
@@ -134,22 +135,22 @@ def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
     lm = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     g.inits.append(numpy_helper.from_array(np.ascontiguousarray(W[lm].T), "lm_head_t"))
     g.nodes.append(helper.make_node("MatMul", [last, "lm_head_t"], ["logits"], name="n_lm_head"))
-    g.nodes.append(helper.make_node("Concat", pres_k, ["present_key"], axis=0, name="n_present_key"))
-    g.nodes.append(helper.make_node("Concat", pres_v, ["present_value"], axis=0, name="n_present_value"))
+    g.nodes.append(helper.make_node("Concat", pres_k, ["present_key"], axis=1, name="n_present_key"))
+    g.nodes.append(helper.make_node("Concat", pres_v, ["present_value"], axis=1, name="n_present_value"))
 
     F, I = TensorProto.FLOAT, TensorProto.INT64
     inputs = [
         helper.make_tensor_value_info("input_ids", I, ["B", "T"]),
         helper.make_tensor_value_info("position_ids", I, ["B", "T"]),
         helper.make_tensor_value_info("attention_mask", F, ["B", 1, "T", "S"]),
-        helper.make_tensor_value_info("past_key", F, [L, "B", KVH, "P", D]),
-        helper.make_tensor_value_info("past_value", F, [L, "B", KVH, "P", D]),
+        helper.make_tensor_value_info("past_key", F, ["B", L, KVH, "P", D]),
+        helper.make_tensor_value_info("past_value", F, ["B", L, KVH, "P", D]),
         helper.make_tensor_value_info("last_index", I, ["B"]),
     ]
     outputs = [
         helper.make_tensor_value_info("logits", F, ["B", c.vocab_size]),
-        helper.make_tensor_value_info("present_key", F, [L, "B", KVH, "T", D]),
-        helper.make_tensor_value_info("present_value", F, [L, "B", KVH, "T", D]),
+        helper.make_tensor_value_info("present_key", F, ["B", L, KVH, "T", D]),
+        helper.make_tensor_value_info("present_value", F, ["B", L, KVH, "T", D]),
     ]
     graph = helper.make_graph(g.nodes, "hetserve_llama", inputs, outputs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="hetserve")

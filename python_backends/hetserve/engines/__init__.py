@@ -1,0 +1,1 @@
+"""Engines: ONNX graph export, engine build (ONNX Runtime / TensorRT), runtime wrappers, manifests."""

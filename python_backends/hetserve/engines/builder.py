@@ -1,0 +1,132 @@
+"""checkpoint -> ONNX -> engines (+ manifest). Cached: an engine dir whose manifest matches is reused.
+
+CPU (always):  prefill_fp32 (ONNX Runtime FP32), decode_int8 (ONNX Runtime, INT8 per-channel weights).
+GPU (when `tensorrt` imports and a CUDA device exists): prefill_fp16_trt, decode_int8_trt / decode_fp8_trt.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..model.checkpoint import load_checkpoint
+from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
+
+BUILDER_VERSION = 2
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def default_engine_dir() -> str:
+    return os.environ.get("HETSERVE_ENGINE_DIR", str(Path.cwd() / ".hetserve" / "engines"))
+
+
+def gpu_available() -> bool:
+    try:
+        import tensorrt  # noqa: F401
+        from cuda.bindings import runtime as cudart  # type: ignore
+
+        err, n = cudart.cudaGetDeviceCount()
+        return int(err) == 0 and n > 0
+    except Exception:
+        return False
+
+
+def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bool] = None,
+                  force: bool = False, log: Callable[[str], None] = None) -> dict:
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    steps = 5
+    log(f"[1/{steps}] loading checkpoint {checkpoint or '(default SmolLM2-135M-Instruct GGUF)'}")
+    ckpt = load_checkpoint(checkpoint)
+    chash = compat_hash(ckpt.source_hash, ckpt.config)
+    use_trt = gpu_available() if tensorrt is None else tensorrt
+    key = {"compat_hash": chash, "builder": BUILDER_VERSION, "tensorrt": bool(use_trt)}
+    old = read_manifest(out)
+    if not force and old and old.get("build_key") == key and all(
+            (out / e["file"]).exists() for e in old["engines"].values()):
+        log(f"engines up to date in {out} (compat {chash}); nothing to build")
+        return old
+
+    import onnx
+
+    from .onnx_graph import build_graph
+
+    log(f"[2/{steps}] exporting ONNX graph ({ckpt.config.num_layers} layers)  +{time.time() - t0:.1f}s")
+    model = build_graph(ckpt)
+    fp32 = out / "llm_fp32.onnx"
+    for stale in (fp32, out / "llm_fp32.onnx.data"):
+        stale.unlink(missing_ok=True)
+    onnx.save_model(model, str(fp32), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="llm_fp32.onnx.data", size_threshold=1024)
+    del model
+    log(f"[3/{steps}] quantizing decode engine to INT8 weights (per-channel)  +{time.time() - t0:.1f}s")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    int8 = out / "llm_int8.onnx"
+    quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                     per_channel=True, extra_options={"MatMulConstBOnly": True})
+    engines = {
+        "prefill_fp32": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32"},
+        "decode_fp32": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32"},
+        "decode_int8": {"file": int8.name, "backend": "onnxruntime", "precision": "int8",
+                        "weights": "int8-per-channel", "activations": "int8-dynamic"},
+    }
+    if use_trt:  # pragma: no cover - needs a GPU
+        from .trt_builder import build_trt_engines
+
+        log(f"[4/{steps}] building TensorRT engines  +{time.time() - t0:.1f}s")
+        engines.update(build_trt_engines(fp32, out, ckpt.config, log))
+    else:
+        log(f"[4/{steps}] TensorRT engines skipped (no GPU/tensorrt)")
+    log(f"[5/{steps}] tokenizer + manifest  +{time.time() - t0:.1f}s")
+    from ..tokenizer import Tokenizer
+
+    Tokenizer(ckpt.tokenizer_spec, ckpt.chat_template)._tok.save(str(out / "tokenizer.json"))
+    for e in engines.values():
+        e["kv_dtype"] = "fp32"
+        e["sha256"] = _sha256(out / e["file"])
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "build_key": key,
+        "compat_hash": chash,
+        "source": ckpt.source,
+        "source_hash": ckpt.source_hash,
+        "config": ckpt.config.to_dict(),
+        "kv_layout": KV_LAYOUT,
+        "tokenizer": {"file": "tokenizer.json", "bos_token_id": ckpt.tokenizer_spec.get("bos_token_id"),
+                      "eos_token_id": ckpt.tokenizer_spec.get("eos_token_id"),
+                      "add_bos": ckpt.tokenizer_spec.get("add_bos", False)},
+        "chat_template": ckpt.chat_template,
+        "engines": engines,
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "build_seconds": round(time.time() - t0, 1),
+    }
+    write_manifest(out, manifest)
+    log(f"done in {time.time() - t0:.1f}s -> {out} (compat {chash})")
+    return manifest
+
+
+def load_tokenizer(engine_dir: str):
+    from ..tokenizer import Tokenizer
+
+    man = read_manifest(engine_dir)
+    if man is None:
+        raise FileNotFoundError(f"{engine_dir}: no manifest.json (run `hetserve build`)")
+    t = man["tokenizer"]
+    spec = {"kind": "hf", "path": str(Path(engine_dir) / t["file"]), "bos_token_id": t["bos_token_id"],
+            "eos_token_id": t["eos_token_id"], "add_bos": t["add_bos"]}
+    return Tokenizer(spec, man.get("chat_template"))
