@@ -1,0 +1,2 @@
+"""Thin shim: the implementation lives in the hetserve package."""
+from hetserve.triton.aggregated import TritonPythonModel  # noqa: F401

@@ -1,0 +1,123 @@
+"""Client helpers: stream a generation from the `llm` (or `aggregated`) model over Triton gRPC."""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import numpy as np
+
+
+class GenerationError(RuntimeError):
+    def __init__(self, msg: str, status: str = ""):
+        super().__init__(msg)
+        self.status = status
+
+
+@dataclass
+class Chunk:
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str]
+    t: float
+
+
+@dataclass
+class Generation:
+    text: str = ""
+    token_ids: List[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    ttft_s: Optional[float] = None
+    total_s: float = 0.0
+    chunks: int = 0
+
+    @property
+    def tpot_s(self) -> Optional[float]:
+        n = len(self.token_ids)
+        if n < 2 or self.ttft_s is None:
+            return None
+        return (self.total_s - self.ttft_s) / (n - 1)
+
+
+_DTYPES = {"max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32),
+           "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "ignore_eos": ("BOOL", bool),
+           "apply_chat_template": ("BOOL", bool), "stop_token_ids": ("INT32", np.int32),
+           "input_ids": ("INT32", np.int32)}
+
+
+def build_inputs(prompt: Optional[str], **params):
+    import tritonclient.grpc as grpcclient
+
+    ins = []
+
+    def add(name, arr, dt):
+        x = grpcclient.InferInput(name, list(arr.shape), dt)
+        x.set_data_from_numpy(arr)
+        ins.append(x)
+
+    if prompt is not None:
+        add("text_input", np.array([prompt.encode("utf-8", "surrogatepass") if isinstance(prompt, str) else prompt],
+                                   dtype=np.object_), "BYTES")
+    for k, v in params.items():
+        if v is None:
+            continue
+        if k in _DTYPES:
+            dt, npt = _DTYPES[k]
+            arr = np.asarray(v if isinstance(v, (list, tuple, np.ndarray)) else [v], dtype=npt)
+            add(k, arr, dt)
+        elif k == "stop":
+            add(k, np.array([s.encode() for s in v], dtype=np.object_), "BYTES")
+        else:  # string params: transport, kv_dtype, decode_precision
+            add(k, np.array([str(v).encode()], dtype=np.object_), "BYTES")
+    return ins
+
+
+def stream(url: str, prompt: Optional[str], model: str = "llm", timeout_s: float = 120.0,
+           **params) -> Iterator[Chunk]:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    q: "queue.Queue" = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(model, build_inputs(prompt, **params), enable_empty_final_response=True)
+        while True:
+            try:
+                r, e = q.get(timeout=timeout_s)
+            except queue.Empty:
+                raise GenerationError(f"no response from {model} within {timeout_s}s", "TIMEOUT") from None
+            if e is not None:
+                status = e.status() if hasattr(e, "status") else ""
+                raise GenerationError(e.message() if hasattr(e, "message") else str(e), status or "")
+            resp = r.get_response()
+            fp = resp.parameters.get("triton_final_response")
+            final = bool(fp and fp.bool_param)
+            txt = r.as_numpy("text_output")
+            ids = r.as_numpy("token_ids")
+            fr = r.as_numpy("finish_reason")
+            yield Chunk(txt.reshape(-1)[0].decode("utf-8") if txt is not None and txt.size else "",
+                        [] if ids is None else [int(i) for i in ids.reshape(-1)],
+                        fr.reshape(-1)[0].decode() if fr is not None and fr.size else None, time.perf_counter())
+            if final:
+                return
+    finally:
+        try:
+            client.stop_stream()
+        finally:
+            client.close()
+
+
+def generate(url: str, prompt: Optional[str], model: str = "llm", **params) -> Generation:
+    g = Generation()
+    t0 = time.perf_counter()
+    for c in stream(url, prompt, model=model, **params):
+        g.chunks += 1
+        if c.token_ids and g.ttft_s is None:
+            g.ttft_s = c.t - t0
+        g.text += c.text
+        g.token_ids += c.token_ids
+        if c.finish_reason:
+            g.finish_reason = c.finish_reason
+    g.total_s = time.perf_counter() - t0
+    return g

@@ -1,0 +1,80 @@
+"""aggregated: the non-disaggregated baseline. Prefill and decode on one server, one process, no KV transfer."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import numpy as np
+
+import triton_python_backend_utils as pb_utils
+
+from ..engines.runtime import Engine
+from ..sampling import is_stop_token, sample
+from ..scheduler import DecodeScheduler, Sequence
+from .common import RequestError, classify, engine_dir, error, inp, sampling_params, tokenizer
+from .preprocess import tokenize_request
+from .streaming import TextStreamer
+
+log = logging.getLogger("hetserve.aggregated")
+
+
+class _StopGeneration(Exception):
+    pass
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        d = engine_dir()
+        self.prefill = Engine(d, os.environ.get("HETSERVE_PREFILL_ENGINE", "prefill_fp32"))
+        dec = Engine(d, os.environ.get("HETSERVE_AGGREGATED_DECODE_ENGINE", "decode_fp32"))
+        self.precision = dec.precision
+        self.cfg = self.prefill.config
+        self.sched = DecodeScheduler({dec.precision: dec}, eos_ids=self.cfg.eos_token_ids,
+                                     max_batch=int(os.environ.get("HETSERVE_MAX_BATCH", "16")),
+                                     max_queue=int(os.environ.get("HETSERVE_MAX_QUEUE", "64")))
+        self.lock = threading.Lock()
+        tokenizer()
+
+    def finalize(self):
+        self.sched.close()
+
+    def _handle(self, r, sender):
+        streamer = None
+        try:
+            params = sampling_params(r)
+            streamer = TextStreamer(sender, tokenizer(), params, self.cfg.eos_token_ids)
+            ids = inp(r, "input_ids")
+            prompt = [int(x) for x in ids.reshape(-1)] if ids is not None and ids.size else \
+                [int(x) for x in tokenize_request(r)]
+            if len(prompt) + params.max_tokens > self.cfg.max_position:
+                raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                   f"the model context of {self.cfg.max_position}")
+            logits, k, v = self.prefill.prefill(prompt)
+            first = sample(logits, params, 0)
+            stop = is_stop_token(first, params, self.cfg.eos_token_ids)
+            if not streamer.push([first], "stop" if stop else ("length" if params.max_tokens == 1 else None)):
+                return
+
+            def on_tokens(toks, reason):
+                if streamer.finish_reason is None and not streamer.push(toks, reason) and reason is None:
+                    raise _StopGeneration()
+
+            cancelled = getattr(sender, "is_cancelled", lambda: False)
+            self.sched.submit(Sequence(f"agg-{id(r)}", len(prompt), [first], params, self.precision, on_tokens,
+                                       cancelled, k=k, v=v))
+        except Exception as e:
+            code = classify(e)
+            if code == pb_utils.TritonError.INTERNAL:
+                log.exception("aggregated request failed")
+            err = error(str(e), code)
+            if streamer is not None:
+                streamer.fail(err)
+            else:
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def execute(self, requests):
+        for r in requests:
+            threading.Thread(target=self._handle, args=(r, r.get_response_sender()), daemon=True).start()
+        return None

@@ -1,0 +1,141 @@
+"""Helpers shared by the Triton Python-backend models."""
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from typing import Any, List, Optional
+
+import numpy as np
+
+import triton_python_backend_utils as pb_utils  # provided by the stub
+
+from ..sampling import SamplingParams
+
+MAX_TOKENS_LIMIT = int(os.environ.get("HETSERVE_MAX_TOKENS_LIMIT", "4096"))
+
+
+class RequestError(ValueError):
+    """Bad input: answered with INVALID_ARG and a clear message."""
+
+
+def engine_dir() -> str:
+    d = os.environ.get("HETSERVE_ENGINE_DIR")
+    if not d:
+        raise RuntimeError("HETSERVE_ENGINE_DIR is not set (start servers with `hetserve up`/`hetserve serve`)")
+    return d
+
+
+@lru_cache(maxsize=1)
+def tokenizer():
+    from ..engines.builder import load_tokenizer
+
+    return load_tokenizer(engine_dir())
+
+
+def inp(request, name: str) -> Optional[np.ndarray]:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+def scalar(request, name: str, default: Any = None, cast=None):
+    a = inp(request, name)
+    if a is None:
+        return default
+    if a.size != 1:
+        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(a.shape)}")
+    v = a.reshape(-1)[0]
+    if isinstance(v, (bytes, np.bytes_)):
+        try:
+            v = bytes(v).decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(f"input '{name}' is not valid UTF-8") from None
+    elif isinstance(v, np.generic):
+        v = v.item()
+    if cast is not None:
+        try:
+            v = cast(v)
+        except (TypeError, ValueError):
+            raise RequestError(f"input '{name}' has an invalid value {v!r}") from None
+    return v
+
+
+def string_list(request, name: str) -> List[str]:
+    a = inp(request, name)
+    if a is None:
+        return []
+    out = []
+    for v in a.reshape(-1):
+        try:
+            out.append(bytes(v).decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v))
+        except UnicodeDecodeError:
+            raise RequestError(f"input '{name}' is not valid UTF-8") from None
+    return [s for s in out if s]
+
+
+def int_list(request, name: str) -> List[int]:
+    a = inp(request, name)
+    return [] if a is None else [int(x) for x in a.reshape(-1)]
+
+
+SAMPLING_INPUTS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_token_ids", "stop")
+
+
+def sampling_params(request, default_max_tokens: int = 64) -> SamplingParams:
+    p = SamplingParams(
+        max_tokens=scalar(request, "max_tokens", default_max_tokens, int),
+        temperature=scalar(request, "temperature", 0.0, float),
+        top_k=scalar(request, "top_k", 0, int),
+        top_p=scalar(request, "top_p", 1.0, float),
+        seed=scalar(request, "seed", 0, int),
+        ignore_eos=bool(scalar(request, "ignore_eos", False)),
+        stop_token_ids=int_list(request, "stop_token_ids"),
+        stop=string_list(request, "stop"),
+    )
+    try:
+        return p.validate(MAX_TOKENS_LIMIT)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def sampling_tensors(p: SamplingParams) -> list:
+    """SamplingParams -> Triton input tensors (for forwarding to another model/server)."""
+    return [
+        ("max_tokens", np.array([p.max_tokens], np.int32)),
+        ("temperature", np.array([p.temperature], np.float32)),
+        ("top_k", np.array([p.top_k], np.int32)),
+        ("top_p", np.array([p.top_p], np.float32)),
+        ("seed", np.array([p.seed], np.uint64)),
+        ("ignore_eos", np.array([p.ignore_eos], bool)),
+        ("stop_token_ids", np.array(p.stop_token_ids or [-1], np.int32)),
+    ]
+
+
+def str_tensor(name: str, values) -> "pb_utils.Tensor":
+    return pb_utils.Tensor(name, np.array([v.encode() if isinstance(v, str) else v for v in values],
+                                          dtype=np.object_))
+
+
+def error(msg: str, code=None) -> "pb_utils.TritonError":
+    if code is None:
+        code = pb_utils.TritonError.INVALID_ARG
+    return pb_utils.TritonError(msg, code)
+
+
+def error_response(msg: str, code=None) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(output_tensors=[], error=error(msg, code))
+
+
+def classify(exc: Exception):
+    """Exception -> Triton error code."""
+    from ..scheduler import Overloaded
+
+    if isinstance(exc, (RequestError, ValueError)):
+        return pb_utils.TritonError.INVALID_ARG
+    if isinstance(exc, Overloaded):
+        return pb_utils.TritonError.UNAVAILABLE
+    return pb_utils.TritonError.INTERNAL
+
+
+def json_bytes(obj) -> bytes:
+    return json.dumps(obj).encode()

@@ -1,0 +1,63 @@
+"""kv_ingest (decode server): verify the KV handshake + checksum, then hand the KV to `decode`'s pool.
+
+Receives what a KVSender sent over gRPC or system shared memory (Triton resolves shm inputs before we run).
+A mismatch (model hash, layout, dtype, shape, size, crc32) is refused with INVALID_ARG and the reason.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+import triton_python_backend_utils as pb_utils
+
+from ..engines.manifest import read_manifest
+from ..kv import wire
+from .common import RequestError, classify, engine_dir, error_response, inp, scalar, str_tensor
+
+log = logging.getLogger("hetserve.kv_ingest")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        man = read_manifest(engine_dir())
+        if man is None:
+            raise RuntimeError(f"{engine_dir()}: no manifest.json")
+        self.compat = man["compat_hash"]
+        c = man["config"]
+        self.shape = (c["num_layers"], c["num_kv_heads"], c["head_dim"])
+
+    def _one(self, r):
+        rid = scalar(r, "request_id", None, str)
+        if not rid:
+            raise RequestError("missing 'request_id'")
+        raw = inp(r, "kv_header")
+        payload = inp(r, "kv_payload")
+        if raw is None or payload is None:
+            raise RequestError("missing 'kv_header' or 'kv_payload'")
+        hdr = wire.KVHeader.from_json(bytes(raw.reshape(-1)[0]))
+        payload = np.ascontiguousarray(payload.reshape(-1), dtype=np.uint8)
+        try:
+            wire.verify(hdr, payload, self.compat, self.shape)
+        except wire.KVWireError as e:
+            raise RequestError(f"KV refused for request {rid}: {e}") from None
+        req = pb_utils.InferenceRequest(
+            model_name="decode",
+            inputs=[str_tensor("op", ["ingest"]), str_tensor("request_id", [rid]),
+                    pb_utils.Tensor("kv_header", raw), pb_utils.Tensor("kv_payload", payload)],
+            requested_output_names=["token_ids"])
+        for resp in req.exec(decoupled=True):
+            if resp.has_error():
+                raise RuntimeError(f"decode refused KV: {resp.error().message()}")
+        return pb_utils.InferenceResponse([pb_utils.Tensor("kv_tokens", np.array([hdr.num_tokens], np.int32))])
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            try:
+                out.append(self._one(r))
+            except Exception as e:
+                if classify(e) == pb_utils.TritonError.INTERNAL:
+                    log.exception("kv_ingest failed")
+                out.append(error_response(str(e), classify(e)))
+        return out

@@ -1,0 +1,42 @@
+"""postprocess: stateless incremental detokenisation.
+
+Given all generated ids so far (`output_ids`) and how many are new (`token_ids`), returns the text delta.
+A trailing incomplete UTF-8 character is held back until the token that completes it arrives.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import triton_python_backend_utils as pb_utils
+
+from .common import error_response, inp, str_tensor, tokenizer
+
+
+def stable_text(tok, ids) -> str:
+    t = tok.decode(ids)
+    return t[:-1] if t.endswith("\ufffd") else t
+
+
+def text_delta(tok, all_ids, n_new: int) -> str:
+    prev = stable_text(tok, all_ids[:len(all_ids) - n_new])
+    cur = stable_text(tok, all_ids)
+    return cur[len(prev):] if cur.startswith(prev) else cur
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        tokenizer()
+
+    def execute(self, requests):
+        out = []
+        tok = tokenizer()
+        for r in requests:
+            ids = inp(r, "output_ids")
+            new = inp(r, "token_ids")
+            if ids is None:
+                out.append(error_response("missing input 'output_ids'"))
+                continue
+            all_ids = [int(x) for x in ids.reshape(-1)]
+            n = 0 if new is None else int(new.size)
+            out.append(pb_utils.InferenceResponse([str_tensor("text_output", [text_delta(tok, all_ids, n)])]))
+        return out

@@ -1,0 +1,91 @@
+"""prefill: run the prompt through the prefill engine, sample the first token, push KV to the decode server.
+
+Inputs: input_ids, request_id, decode_url?, transport? (grpc|shm), kv_dtype? (fp32|fp16|int8), sampling params.
+Outputs: first_token, prompt_len, kv_bytes, prefill_ms, transfer_ms, transfer_ok, transport_used.
+A failed transfer is reported (transfer_ok=false), not raised: the decode server then recomputes the prompt.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+
+import triton_python_backend_utils as pb_utils
+
+from ..engines.runtime import Engine
+from ..kv import wire
+from ..kv.transport import TRANSPORTS, KVSender
+from ..sampling import sample
+from .common import RequestError, classify, engine_dir, error_response, inp, sampling_params, scalar, str_tensor
+
+log = logging.getLogger("hetserve.prefill")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.engine = Engine(engine_dir(), os.environ.get("HETSERVE_PREFILL_ENGINE", "prefill_fp32"))
+        self.sender = KVSender()
+        self.default_url = os.environ.get("HETSERVE_DECODE_URL", "127.0.0.1:9001").split(",")[0]
+        self.default_transport = os.environ.get("HETSERVE_KV_TRANSPORT", "grpc")
+        self.default_kv_dtype = os.environ.get("HETSERVE_KV_DTYPE", "fp32")
+        self.cfg = self.engine.config
+
+    def finalize(self):
+        self.sender.close()
+
+    def _one(self, r):
+        ids_a = inp(r, "input_ids")
+        if ids_a is None or ids_a.size == 0:
+            raise RequestError("empty prompt: 'input_ids' has no tokens")
+        ids = [int(x) for x in ids_a.reshape(-1)]
+        if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
+            raise RequestError(f"token id out of range [0, {self.cfg.vocab_size})")
+        if len(ids) >= self.cfg.max_position:
+            raise RequestError(f"prompt too long: {len(ids)} tokens >= context {self.cfg.max_position}")
+        params = sampling_params(r)
+        rid = scalar(r, "request_id", None, str) or f"req-{time.time_ns()}"
+        transport = scalar(r, "transport", None, str) or self.default_transport
+        if transport not in TRANSPORTS:
+            raise RequestError(f"unknown transport {transport!r}; use one of {list(TRANSPORTS)}")
+        kv_dtype = scalar(r, "kv_dtype", None, str) or self.default_kv_dtype
+        if kv_dtype not in wire.DTYPES:
+            raise RequestError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")
+        url = scalar(r, "decode_url", None, str) or self.default_url
+        skip = bool(scalar(r, "skip_transfer", False))
+
+        t0 = time.perf_counter()
+        logits, k, v = self.engine.prefill(ids)
+        first = sample(logits, params, 0)
+        t1 = time.perf_counter()
+        info = {"transport": "none", "bytes": 0, "seconds": 0.0}
+        ok = True
+        if not skip:
+            hdr, payload = wire.encode(k, v, self.engine.compat_hash, kv_dtype)
+            try:
+                info = self.sender.send(url, transport, rid, hdr, payload)
+            except Exception as e:
+                log.warning("request %s: %s", rid, e)
+                ok = False
+                info = {"transport": transport, "bytes": 0, "seconds": time.perf_counter() - t1}
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor("first_token", np.array([first], np.int32)),
+            pb_utils.Tensor("prompt_len", np.array([len(ids)], np.int32)),
+            pb_utils.Tensor("kv_bytes", np.array([info["bytes"]], np.int64)),
+            pb_utils.Tensor("prefill_ms", np.array([(t1 - t0) * 1e3], np.float32)),
+            pb_utils.Tensor("transfer_ms", np.array([info["seconds"] * 1e3], np.float32)),
+            pb_utils.Tensor("transfer_ok", np.array([ok], bool)),
+            str_tensor("transport_used", [info["transport"]]),
+        ])
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            try:
+                out.append(self._one(r))
+            except Exception as e:
+                if classify(e) == pb_utils.TritonError.INTERNAL:
+                    log.exception("prefill failed")
+                out.append(error_response(str(e), classify(e)))
+        return out
