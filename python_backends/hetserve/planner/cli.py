@@ -1,0 +1,287 @@
+"""``hetserve plan``: recommend a prefill/decode deployment for a model, load and SLOs.
+
+Exit status: 0 when a configuration meets the SLOs, 2 when none does (the best effort is still
+printed with its warnings), 1 on invalid input.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from typing import Any, Optional, Sequence, TextIO
+
+from .model import (
+    SLO, LengthDist, Measurements, PlanResult, Prediction, SearchSpace, Workload, calibrate,
+    calibrate_link, calibration_report, plan,
+)
+from .profiles import (
+    HARDWARE, KV_TIERS, LINKS, MODELS, PRECISIONS, HardwareProfile, LinkProfile, ModelConfig, check_precision,
+    lookup,
+)
+
+EXIT_FEASIBLE, EXIT_INPUT, EXIT_INFEASIBLE = 0, 1, 2
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    m = parser.add_argument_group("model")
+    m.add_argument("--model", default="smollm2-135m", help=f"preset: {', '.join(MODELS)} (default %(default)s)")
+    m.add_argument("--model-config", metavar="FILE",
+                   help="JSON model config (planner fields or a Hugging Face config.json); overrides --model")
+
+    h = parser.add_argument_group("hardware and transport")
+    h.add_argument("--hw", help=f"comma list for both phases (default: all but cpu-local): {', '.join(HARDWARE)}")
+    h.add_argument("--prefill-hw", help="comma list of prefill hardware (overrides --hw)")
+    h.add_argument("--decode-hw", help="comma list of decode hardware (overrides --hw)")
+    h.add_argument("--hw-file", action="append", default=[], metavar="FILE",
+                   help="JSON hardware profile (or list of them) to add/override; repeatable")
+    h.add_argument("--link", help=f"comma list of KV transports (default: all): {', '.join(LINKS)}")
+    h.add_argument("--kv-tier", help=f"comma list of decode KV tiers (default: all): {', '.join(KV_TIERS)}")
+    h.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees to consider (default %(default)s)")
+    h.add_argument("--max-instances", type=int, default=64, help="per phase (default %(default)s)")
+    h.add_argument("--prefill-instances", type=int, help="fix the number of prefill instances")
+    h.add_argument("--decode-instances", type=int, help="fix the number of decode instances")
+    h.add_argument("--no-layerwise", action="store_true", help="KV is sent after prefill, not layer by layer")
+
+    p = parser.add_argument_group("precision")
+    p.add_argument("--precisions", default=",".join(PRECISIONS),
+                   help="precisions the search may use (default %(default)s)")
+    p.add_argument("--prefill-precision", help="force the prefill precision")
+    p.add_argument("--decode-precision", help="force the decode precision")
+    p.add_argument("--kv-dtype", help="force the KV dtype of both phases (default: follows precision)")
+    p.add_argument("--prefill-kv-dtype", help="force the prefill KV dtype")
+    p.add_argument("--decode-kv-dtype", help="force the decode KV dtype")
+
+    s = parser.add_argument_group("SLOs and load")
+    s.add_argument("--ttft-ms", type=float, default=1000.0, help="TTFT SLO (default %(default)s)")
+    s.add_argument("--tpot-ms", type=float, default=100.0, help="TPOT SLO (default %(default)s)")
+    s.add_argument("--slo-percentile", type=float, default=90.0, help="TTFT percentile (default %(default)s)")
+    s.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate, req/s (default %(default)s)")
+    for name, mean in (("prompt", 512), ("output", 128)):
+        s.add_argument(f"--{name}-len", type=float, default=float(mean), help=f"mean {name} tokens (default %(default)s)")
+        s.add_argument(f"--{name}-std", type=float, default=0.0, help=f"{name} length std (default 0)")
+        s.add_argument(f"--{name}-dist", choices=("fixed", "normal", "lognormal"),
+                       help=f"{name} length distribution (default: fixed, lognormal when --{name}-std > 0)")
+
+    o = parser.add_argument_group("calibration and output")
+    o.add_argument("--calibrate", metavar="FILE", help="measurements JSON; fits that hardware profile first")
+    o.add_argument("--save-profile", metavar="FILE", help="write the calibrated profile (for --hw-file)")
+    o.add_argument("--json", action="store_true", help="machine-readable output")
+    o.add_argument("--top", type=int, default=5, help="configurations to report (default %(default)s)")
+    o.add_argument("--list", action="store_true", help="list models, hardware, links and KV tiers, then exit")
+
+
+# --------------------------------------------------------------------------------------------
+# Input assembly
+# --------------------------------------------------------------------------------------------
+
+def _load_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _hardware_table(files: Sequence[str]) -> dict[str, HardwareProfile]:
+    table = dict(HARDWARE)
+    for path in files:
+        data = _load_json(path)
+        for entry in data if isinstance(data, list) else [data]:
+            hw = HardwareProfile.from_dict(entry)
+            table[hw.name] = hw
+    return table
+
+
+def _model(args: argparse.Namespace) -> ModelConfig:
+    if args.model_config:
+        return ModelConfig.from_dict(_load_json(args.model_config), name=args.model_config)
+    return lookup(MODELS, args.model, "model")
+
+
+def _length(args: argparse.Namespace, name: str) -> LengthDist:
+    std = getattr(args, f"{name}_std")
+    kind = getattr(args, f"{name}_dist") or ("lognormal" if std > 0 else "fixed")
+    return LengthDist(getattr(args, f"{name}_len"), std, kind)
+
+
+def _opt_precision(value: Optional[str]) -> Optional[str]:
+    return check_precision(value) if value else None
+
+
+def _search_space(args: argparse.Namespace, table: dict[str, HardwareProfile],
+                  links: dict[str, LinkProfile], default_hw: list[str]) -> SearchSpace:
+    def hw_list(specific: Optional[str]) -> tuple[HardwareProfile, ...]:
+        names = _names(specific or args.hw or "") or default_hw
+        return tuple(lookup(table, n, "hardware") for n in names)
+
+    kv = args.kv_dtype
+    return SearchSpace(
+        prefill_hardware=hw_list(args.prefill_hw), decode_hardware=hw_list(args.decode_hw),
+        links=tuple(lookup(links, n, "link") for n in (_names(args.link) if args.link else links)),
+        kv_tiers=tuple(lookup(KV_TIERS, n, "KV tier") for n in (_names(args.kv_tier) if args.kv_tier else KV_TIERS)),
+        precisions=tuple(check_precision(p) for p in _names(args.precisions)),
+        prefill_precision=_opt_precision(args.prefill_precision),
+        decode_precision=_opt_precision(args.decode_precision),
+        prefill_kv_dtype=_opt_precision(args.prefill_kv_dtype or kv),
+        decode_kv_dtype=_opt_precision(args.decode_kv_dtype or kv),
+        tp_degrees=tuple(int(t) for t in _names(args.tp)),
+        max_instances=args.max_instances, prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances, layerwise=not args.no_layerwise)
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if math.isfinite(seconds) else "unbounded"
+
+
+def _usd(x: float) -> str:
+    return f"${x:,.4g}" if math.isfinite(x) else "n/a"
+
+
+def _phase(pred: Prediction, role: str) -> str:
+    ph = getattr(pred.deployment, role)
+    return f"{ph.instances} x {ph.hardware.name} tp{ph.tp} {ph.precision}"
+
+
+def render_listing(table: dict[str, HardwareProfile], out: TextIO) -> None:
+    print("models:", file=out)
+    for m in MODELS.values():
+        print(f"  {m.name:14} {m.layers} layers, {m.heads}/{m.kv_heads} heads x {m.head_dim}, hidden {m.hidden}, "
+              f"{m.params / 1e9:.3g}B params, KV {m.kv_bytes_per_token('fp16') / 1024:.0f} KiB/token fp16", file=out)
+    print("hardware (dense TFLOPs fp32/bf16/fp16/fp8/int8, GB/s, GB, $/h):", file=out)
+    for h in table.values():
+        tf = "/".join("-" if h.tflops.get(p) is None else f"{h.tflops[p]:g}" for p in PRECISIONS)
+        print(f"  {h.name:11} {tf:34} {h.mem_bw_gbs:7g} {h.mem_gb:5g} {h.price_per_hour:6.2f}", file=out)
+    print("links (GB/s per direction, latency):", file=out)
+    for link in LINKS.values():
+        print(f"  {link.name:14} {link.gbytes_per_s:7.4g} GB/s  {link.latency_s * 1e6:4.0f} us", file=out)
+    print("KV tiers: " + ", ".join(KV_TIERS), file=out)
+
+
+def render_report(result: PlanResult, model: ModelConfig, workload: Workload, slo: SLO, out: TextIO) -> None:
+    print(f"hetserve plan: {model.name} | {workload.qps:g} req/s, prompt {workload.prompt.describe()}, "
+          f"output {workload.output.describe()} tokens | SLO TTFT p{slo.percentile:g} <= {_ms(slo.ttft_s)}, "
+          f"TPOT <= {_ms(slo.tpot_s)}", file=out)
+    for note in result.notes:
+        print(f"  ! [{note.code}] {note.message}", file=out)
+    best = result.best
+    if best is None:
+        return
+    d = best.deployment
+    print("\nRECOMMENDED (meets SLOs)" if result.feasible else "\nBEST EFFORT (no configuration meets the SLOs)",
+          file=out)
+    rows = [
+        ("prefill", f"{_phase(best, 'prefill')}  (KV {d.prefill.kv_dtype}, {d.prefill.layout})"),
+        ("decode", f"{_phase(best, 'decode')}  (KV {d.decode.kv_dtype}, {d.decode.layout}), KV tier {d.kv_tier.name}"),
+        ("P:D ratio", f"{d.ratio}  ({d.prefill.devices} + {d.decode.devices} devices)"),
+        ("transport", f"{d.link.name}, {'layer-wise overlap' if d.layerwise else 'after prefill'}, "
+                      f"{best.kv_bytes_per_request / 2**20:.1f} MiB KV per request"),
+        ("TTFT", f"mean {_ms(best.ttft_mean_s)}, p{best.percentile:g} {_ms(best.ttft_p_s)}  (prefill "
+                 f"{_ms(best.prefill_s)}, queue {_ms(best.queue_wait_s)}, KV exposed {_ms(best.kv_exposed_s)})"),
+        ("TPOT", f"{_ms(best.tpot_s)}  (decode batch {best.decode_batch:.1f})"),
+        ("throughput", f"{best.throughput_tok_s:,.0f} output tok/s (capacity {best.max_qps:.3g} req/s, "
+                       f"prefill utilisation {best.prefill_utilization:.0%})"),
+        ("cost", f"{_usd(best.cost_per_hour)}/h -> {_usd(best.cost_per_1m_output)} per 1M output tokens, "
+                 f"{_usd(best.cost_per_1m_tokens)} per 1M tokens"),
+    ]
+    for label, text in rows:
+        print(f"  {label:<11} {text}", file=out)
+    if best.warnings:
+        print("  warnings", file=out)
+        for w in best.warnings:
+            print(f"    - [{w.code}] {w.message}", file=out)
+    if result.alternatives:
+        print("\nAlternatives", file=out)
+        header = f"  {'prefill':<26} {'decode':<26} {'P:D':>5} {'transport':<14} {'tier':<6} " \
+                 f"{'TTFT p' + format(slo.percentile, 'g'):>10} {'TPOT':>10} {'$/1M out':>9}  SLO"
+        print(header, file=out)
+        for p in result.alternatives:
+            print(f"  {_phase(p, 'prefill'):<26} {_phase(p, 'decode'):<26} {p.deployment.ratio:>5} "
+                  f"{p.deployment.link.name:<14} {p.deployment.kv_tier.name:<6} {_ms(p.ttft_p_s):>10} "
+                  f"{_ms(p.tpot_s):>10} {_usd(p.cost_per_1m_output):>9}  {'ok' if p.meets_slo else 'miss'}",
+                  file=out)
+
+
+def render_calibration(report: dict[str, Any], out: TextIO) -> None:
+    print(f"calibrated {report['hardware']} on {report['model']} measurements:", file=out)
+    for name, v in report["parameters"].items():
+        print(f"  {name:<19} {v['before']:.4g} -> {v['after']:.4g}", file=out)
+    print(f"  {'link efficiency':<19} {report['link']['name']} {report['link']['efficiency']:.3g}", file=out)
+    for key, row in report["fit"].items():
+        err = row["error"]
+        print(f"  {key:<24} measured {row['measured']:.4g}  predicted {row['predicted']:.4g}"
+              f"  ({'n/a' if err is None else f'{err:+.1%}'})", file=out)
+    print(file=out)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
+    out = out or sys.stdout
+    try:
+        table = _hardware_table(args.hw_file)
+        if args.list:
+            render_listing(table, out)
+            return EXIT_FEASIBLE
+        model = _model(args)
+        links = dict(LINKS)
+        default_hw = [n for n, h in table.items() if h.kind != "cpu"]
+        calibration = None
+        if args.calibrate:
+            raw = _load_json(args.calibrate)
+            meas = Measurements.from_dict(raw)
+            base = lookup(table, meas.hardware, "hardware")
+            cal_model = lookup(MODELS, meas.model, "model") if "model" in raw else model
+            fitted = calibrate(base, meas, cal_model)
+            table[fitted.name] = fitted
+            link = calibrate_link(lookup(links, meas.link, "link"), meas)
+            links[link.name] = link
+            default_hw = [fitted.name]
+            calibration = calibration_report(base, fitted, meas, cal_model)
+            if args.save_profile:
+                with open(args.save_profile, "w", encoding="utf-8") as f:
+                    json.dump(fitted.to_dict(), f, indent=2)
+        workload = Workload(args.qps, _length(args, "prompt"), _length(args, "output"))
+        slo = SLO(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.slo_percentile)
+        space = _search_space(args, table, links, default_hw)
+    except (OSError, ValueError, TypeError, json.JSONDecodeError) as e:
+        print(f"hetserve plan: error: {e}", file=sys.stderr)
+        return EXIT_INPUT
+
+    result = plan(model, workload, slo, space, top_k=max(1, args.top))
+    if args.json:
+        doc = {"model": model.to_dict(), "workload": workload.to_dict(), "slo": dataclasses.asdict(slo),
+               **result.to_dict()}
+        if calibration:
+            doc["calibration"] = calibration
+        json.dump(doc, out, indent=2, allow_nan=False)
+        print(file=out)
+    else:
+        if calibration:
+            render_calibration(calibration, out)
+        render_report(result, model, workload, slo, out)
+    return EXIT_FEASIBLE if result.feasible else EXIT_INFEASIBLE
+
+
+def build_parser(prog: str = "hetserve plan") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=(
+        "Recommend a prefill:decode deployment (hardware, ratio, precision, transport, KV tier) for "
+        "a model, load and SLOs. Exit 0: SLOs met; 2: best effort only; 1: bad input."))
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
