@@ -18,7 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PKG_DIR = Path(__file__).resolve().parents[1]  # python_backends/
 
 ROLE_MODELS: Dict[str, List[str]] = {
-    "prefill": ["preprocess", "postprocess", "prefill", "llm", "ensemble"],
+    # `aggregated` (the no-transfer baseline) rides on the prefill server so comparisons share hardware
+    "prefill": ["preprocess", "postprocess", "prefill", "llm", "ensemble", "aggregated"],
     "decode": ["kv_ingest", "decode"],
     "aggregated": ["preprocess", "postprocess", "aggregated"],
 }

@@ -17,7 +17,26 @@ from typing import Callable, Optional
 from ..model.checkpoint import load_checkpoint
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
+INT8_BLOCK = 32
+
+
+def quantize_int8(src: Path, dst: Path) -> None:
+    """Weight-only INT8 (symmetric, one scale per 32 weights) MatMulNBits with int8 compute.
+
+    Measured on SmolLM2-135M (teacher-forced greedy agreement with the fp32 reference, 320 tokens):
+    per-channel dynamic quantisation 82%, this scheme 95.6%, at ~15 ms/step on one core.
+    """
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    for stale in (dst, dst.with_name(dst.name + ".data")):
+        stale.unlink(missing_ok=True)
+    q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=8, block_size=INT8_BLOCK, is_symmetric=True,
+                             accuracy_level=4)
+    q.process()
+    onnx.save_model(q.model.model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=dst.name + ".data", size_threshold=1024)
 
 
 def _sha256(path: Path) -> str:
@@ -73,17 +92,14 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
     onnx.save_model(model, str(fp32), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="llm_fp32.onnx.data", size_threshold=1024)
     del model
-    log(f"[3/{steps}] quantizing decode engine to INT8 weights (per-channel)  +{time.time() - t0:.1f}s")
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
+    log(f"[3/{steps}] quantizing decode engine to INT8 weights (blockwise, block {INT8_BLOCK})  +{time.time() - t0:.1f}s")
     int8 = out / "llm_int8.onnx"
-    quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                     per_channel=True, extra_options={"MatMulConstBOnly": True})
+    quantize_int8(fp32, int8)
     engines = {
         "prefill_fp32": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32"},
         "decode_fp32": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32"},
         "decode_int8": {"file": int8.name, "backend": "onnxruntime", "precision": "int8",
-                        "weights": "int8-per-channel", "activations": "int8-dynamic"},
+                        "weights": f"int8-symmetric-block{INT8_BLOCK}", "compute": "int8 (accuracy_level 4)"},
     }
     if use_trt:  # pragma: no cover - needs a GPU
         from .trt_builder import build_trt_engines

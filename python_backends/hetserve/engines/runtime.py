@@ -69,6 +69,11 @@ class Engine:
         else:
             raise EngineError(f"unknown engine backend {backend!r}")
 
+    def warmup(self) -> None:
+        """One tiny prefill + decode step so the first real request doesn't pay for lazy initialisation."""
+        _, k, v = self.prefill([0, 1, 2, 3])
+        self.prefill([4], k, v)
+
     def _run_ort(self, feeds: dict) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         lo, k, v = self._sess.run(None, feeds)
         return lo, k, v

@@ -64,6 +64,7 @@ class TritonPythonModel:
         self.engines = {}
         for n in names:
             e = Engine(engine_dir(), n.strip())
+            e.warmup()
             self.engines[e.precision] = e
         e0 = next(iter(self.engines.values()))
         self.cfg = e0.config

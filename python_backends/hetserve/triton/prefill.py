@@ -26,6 +26,7 @@ log = logging.getLogger("hetserve.prefill")
 class TritonPythonModel:
     def initialize(self, args):
         self.engine = Engine(engine_dir(), os.environ.get("HETSERVE_PREFILL_ENGINE", "prefill_fp32"))
+        self.engine.warmup()
         self.sender = KVSender()
         self.default_url = os.environ.get("HETSERVE_DECODE_URL", "127.0.0.1:9001").split(",")[0]
         self.default_transport = os.environ.get("HETSERVE_KV_TRANSPORT", "grpc")
