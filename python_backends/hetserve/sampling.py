@@ -6,7 +6,7 @@ samples the first token, decode the rest; a migrated request resumes identically
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 

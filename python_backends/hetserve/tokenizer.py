@@ -81,19 +81,14 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
 
 
-class IncrementalDetokenizer:
-    """Streams text deltas from token ids without splitting multi-byte UTF-8 characters."""
+def stable_text(tok: Tokenizer, ids: Sequence[int]) -> str:
+    """Decoded text without a trailing incomplete UTF-8 character (held back until completed)."""
+    t = tok.decode(ids)
+    return t[:-1] if t.endswith("\ufffd") else t
 
-    def __init__(self, tok: Tokenizer):
-        self.tok = tok
-        self.ids: List[int] = []
-        self.emitted = 0  # characters of decoded text already emitted
 
-    def push(self, new_ids: Sequence[int]) -> str:
-        self.ids.extend(int(i) for i in new_ids)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):  # incomplete UTF-8 sequence: wait for more bytes
-            return ""
-        delta = text[self.emitted:]
-        self.emitted = len(text)
-        return delta
+def text_delta(tok: Tokenizer, all_ids: Sequence[int], n_new: int) -> str:
+    """Stateless incremental detokenisation: text added by the last `n_new` of `all_ids`."""
+    prev = stable_text(tok, all_ids[:len(all_ids) - n_new])
+    cur = stable_text(tok, all_ids)
+    return cur[len(prev):] if cur.startswith(prev) else cur

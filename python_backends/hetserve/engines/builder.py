@@ -6,9 +6,7 @@ GPU (when `tensorrt` imports and a CUDA device exists): prefill_fp16_trt, decode
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path

@@ -5,14 +5,13 @@ import logging
 import os
 import threading
 
-import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
 from ..engines.runtime import Engine
 from ..sampling import is_stop_token, sample
 from ..scheduler import DecodeScheduler, Sequence
-from .common import RequestError, classify, engine_dir, error, inp, sampling_params, tokenizer
+from .common import check_prompt, classify, engine_dir, error, inp, sampling_params, tokenizer
 from .preprocess import tokenize_request
 from .streaming import TextStreamer
 
@@ -47,9 +46,7 @@ class TritonPythonModel:
             ids = inp(r, "input_ids")
             prompt = [int(x) for x in ids.reshape(-1)] if ids is not None and ids.size else \
                 [int(x) for x in tokenize_request(r)]
-            if len(prompt) + params.max_tokens > self.cfg.max_position:
-                raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                   f"the model context of {self.cfg.max_position}")
+            check_prompt(prompt, self.cfg, params.max_tokens)
             logits, k, v = self.prefill.prefill(prompt)
             first = sample(logits, params, 0)
             stop = is_stop_token(first, params, self.cfg.eos_token_ids)

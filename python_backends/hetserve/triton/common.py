@@ -81,6 +81,18 @@ def int_list(request, name: str) -> List[int]:
 SAMPLING_INPUTS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_token_ids", "stop")
 
 
+def check_prompt(ids: List[int], cfg, max_tokens: int = 0) -> List[int]:
+    """Validate prompt token ids against the model: non-empty, in vocabulary, fits the context."""
+    if not ids:
+        raise RequestError("empty prompt: no input tokens")
+    if min(ids) < 0 or max(ids) >= cfg.vocab_size:
+        raise RequestError(f"token id out of range [0, {cfg.vocab_size})")
+    if len(ids) + max_tokens > cfg.max_position:
+        raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model context "
+                           f"of {cfg.max_position}")
+    return ids
+
+
 def sampling_params(request, default_max_tokens: int = 64) -> SamplingParams:
     p = SamplingParams(
         max_tokens=scalar(request, "max_tokens", default_max_tokens, int),

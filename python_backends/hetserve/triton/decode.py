@@ -21,7 +21,7 @@ from ..engines.runtime import Engine
 from ..kv import wire
 from ..scheduler import DecodeScheduler, Sequence
 from ..sampling import is_stop_token
-from .common import RequestError, classify, engine_dir, error, inp, int_list, sampling_params, scalar, str_tensor
+from .common import RequestError, check_prompt, classify, engine_dir, error, inp, int_list, sampling_params, scalar, str_tensor
 
 log = logging.getLogger("hetserve.decode")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -101,16 +101,12 @@ class TritonPythonModel:
         out_ids = int_list(r, "output_ids")
         if not prompt or not out_ids:
             raise RequestError("'input_ids' (prompt) and 'output_ids' (tokens so far, >= 1) are required")
-        if min(prompt + out_ids) < 0 or max(prompt + out_ids) >= self.cfg.vocab_size:
-            raise RequestError(f"token id out of range [0, {self.cfg.vocab_size})")
         params = sampling_params(r)
+        check_prompt(prompt + out_ids, self.cfg, params.max_tokens - len(out_ids))
         params.stop_token_ids = [t for t in params.stop_token_ids if t >= 0]
         prec = scalar(r, "precision", None, str) or self.default_precision
         if prec not in self.engines:
             raise RequestError(f"decode precision {prec!r} not loaded; have {sorted(self.engines)}")
-        if len(prompt) + params.max_tokens > self.cfg.max_position:
-            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the "
-                               f"context of {self.cfg.max_position} tokens")
         if len(out_ids) >= params.max_tokens or is_stop_token(out_ids[-1], params, self.cfg.eos_token_ids):
             sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("token_ids", np.zeros(0, np.int32)),
                                                     str_tensor("finish_reason", ["length"])]), flags=FINAL)

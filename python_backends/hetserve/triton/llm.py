@@ -9,7 +9,6 @@ import logging
 import os
 import queue
 import threading
-import time
 import uuid
 
 import numpy as np
@@ -19,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from ..engines.manifest import read_manifest
 from ..model.checkpoint import LlamaConfig
 from ..sampling import is_stop_token
-from .common import (RequestError, classify, engine_dir, error, inp, sampling_params, sampling_tensors, scalar,
+from .common import (RequestError, check_prompt, classify, engine_dir, error, inp, sampling_params, sampling_tensors, scalar,
                      str_tensor, tokenizer)
 from .streaming import TextStreamer
 
@@ -128,11 +127,7 @@ class TritonPythonModel:
             params = sampling_params(r)
             streamer = TextStreamer(sender, tok, params, self.cfg.eos_token_ids)
             prompt = self._prompt_ids(r)
-            if not prompt:
-                raise RequestError("empty prompt")
-            if len(prompt) + params.max_tokens > self.cfg.max_position:
-                raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                   f"the model context of {self.cfg.max_position}")
+            check_prompt(prompt, self.cfg, params.max_tokens)
             precision = scalar(r, "decode_precision", None, str) or self.default_precision
             url = self.decode_urls[self._rr % len(self.decode_urls)]
             self._rr += 1

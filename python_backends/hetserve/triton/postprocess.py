@@ -5,22 +5,10 @@ A trailing incomplete UTF-8 character is held back until the token that complete
 """
 from __future__ import annotations
 
-import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
+from ..tokenizer import text_delta
 from .common import error_response, inp, str_tensor, tokenizer
-
-
-def stable_text(tok, ids) -> str:
-    t = tok.decode(ids)
-    return t[:-1] if t.endswith("\ufffd") else t
-
-
-def text_delta(tok, all_ids, n_new: int) -> str:
-    prev = stable_text(tok, all_ids[:len(all_ids) - n_new])
-    cur = stable_text(tok, all_ids)
-    return cur[len(prev):] if cur.startswith(prev) else cur
 
 
 class TritonPythonModel:

@@ -18,7 +18,7 @@ from ..engines.runtime import Engine
 from ..kv import wire
 from ..kv.transport import TRANSPORTS, KVSender
 from ..sampling import sample
-from .common import RequestError, classify, engine_dir, error_response, inp, sampling_params, scalar, str_tensor
+from .common import RequestError, check_prompt, classify, engine_dir, error_response, inp, sampling_params, scalar, str_tensor
 
 log = logging.getLogger("hetserve.prefill")
 
@@ -40,12 +40,8 @@ class TritonPythonModel:
         ids_a = inp(r, "input_ids")
         if ids_a is None or ids_a.size == 0:
             raise RequestError("empty prompt: 'input_ids' has no tokens")
-        ids = [int(x) for x in ids_a.reshape(-1)]
-        if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
-            raise RequestError(f"token id out of range [0, {self.cfg.vocab_size})")
-        if len(ids) >= self.cfg.max_position:
-            raise RequestError(f"prompt too long: {len(ids)} tokens >= context {self.cfg.max_position}")
         params = sampling_params(r)
+        ids = check_prompt([int(x) for x in ids_a.reshape(-1)], self.cfg, params.max_tokens)
         rid = scalar(r, "request_id", None, str) or f"req-{time.time_ns()}"
         transport = scalar(r, "transport", None, str) or self.default_transport
         if transport not in TRANSPORTS:

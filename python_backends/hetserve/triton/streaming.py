@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..sampling import SamplingParams
 from .common import str_tensor
-from .postprocess import stable_text
+from ..tokenizer import stable_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
