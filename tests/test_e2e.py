@@ -179,3 +179,47 @@ def test_kv_ingest_refuses_mismatch(topology):
     p.set_data_from_numpy(payload)
     r = client.infer("kv_ingest", [rid, h, p])
     assert int(r.as_numpy("kv_tokens")[0]) == 4
+
+
+def test_missing_kv_times_out_and_decode_recomputes(topology, prompt_ids, reference_tokens):
+    """No KV ever arrives for this request: after the receive timeout (100 ms) decode recomputes the prompt
+    on its own engine and the stream is still the reference greedy continuation."""
+    import queue
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    p = PROMPTS[3]
+    ids, ref = prompt_ids[p], reference_tokens[p]
+    c = grpcclient.InferenceServerClient(topology.decode_grpc)
+    q = queue.Queue()
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+
+    def t(name, arr, dt):
+        x = grpcclient.InferInput(name, list(arr.shape), dt)
+        x.set_data_from_numpy(arr)
+        return x
+
+    ins = [t("op", np.array([b"generate"], np.object_), "BYTES"),
+           t("request_id", np.array([b"never-ingested-1"], np.object_), "BYTES"),
+           t("input_ids", np.asarray(ids, np.int32), "INT32"),
+           t("output_ids", np.asarray(ref[:1], np.int32), "INT32"),
+           t("precision", np.array([b"fp32"], np.object_), "BYTES"),
+           t("max_tokens", np.array([16], np.int32), "INT32"),
+           t("ignore_eos", np.array([True]), "BOOL")]
+    t0 = time.perf_counter()
+    c.async_stream_infer("decode", ins, enable_empty_final_response=True)
+    toks, first_at = [], None
+    while True:
+        r, e = q.get(timeout=60)
+        assert e is None, e
+        got = r.as_numpy("token_ids")
+        if got is not None and got.size and first_at is None:
+            first_at = time.perf_counter() - t0
+        toks += [] if got is None else got.tolist()
+        fp = r.get_response().parameters.get("triton_final_response")
+        if fp and fp.bool_param:
+            break
+    c.stop_stream()
+    assert toks == ref[1:16]
+    assert first_at >= 0.1  # waited for the receive timeout before recomputing
