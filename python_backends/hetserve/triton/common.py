@@ -149,5 +149,20 @@ def classify(exc: Exception):
     return pb_utils.TritonError.INTERNAL
 
 
+def respond_each(requests, handle, log) -> list:
+    """Non-decoupled execute(): one response per request; a failing request gets an error response
+    (INVALID_ARG / UNAVAILABLE / INTERNAL) and never takes the others down."""
+    out = []
+    for r in requests:
+        try:
+            out.append(handle(r))
+        except Exception as e:
+            code = classify(e)
+            if code == pb_utils.TritonError.INTERNAL:
+                log.exception("request failed")
+            out.append(error_response(str(e), code))
+    return out
+
+
 def json_bytes(obj) -> bytes:
     return json.dumps(obj).encode()

@@ -13,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..engines.manifest import read_manifest
 from ..kv import wire
-from .common import RequestError, classify, engine_dir, error_response, inp, scalar, str_tensor
+from .common import RequestError, engine_dir, inp, respond_each, scalar, str_tensor
 
 log = logging.getLogger("hetserve.kv_ingest")
 
@@ -52,12 +52,4 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse([pb_utils.Tensor("kv_tokens", np.array([hdr.num_tokens], np.int32))])
 
     def execute(self, requests):
-        out = []
-        for r in requests:
-            try:
-                out.append(self._one(r))
-            except Exception as e:
-                if classify(e) == pb_utils.TritonError.INTERNAL:
-                    log.exception("kv_ingest failed")
-                out.append(error_response(str(e), classify(e)))
-        return out
+        return respond_each(requests, self._one, log)

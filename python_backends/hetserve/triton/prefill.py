@@ -18,7 +18,8 @@ from ..engines.runtime import Engine
 from ..kv import wire
 from ..kv.transport import TRANSPORTS, KVSender
 from ..sampling import sample
-from .common import RequestError, check_prompt, classify, engine_dir, error_response, inp, sampling_params, scalar, str_tensor
+from .common import (RequestError, check_prompt, engine_dir, inp, respond_each, sampling_params, scalar,
+                     str_tensor)
 
 log = logging.getLogger("hetserve.prefill")
 
@@ -77,12 +78,4 @@ class TritonPythonModel:
         ])
 
     def execute(self, requests):
-        out = []
-        for r in requests:
-            try:
-                out.append(self._one(r))
-            except Exception as e:
-                if classify(e) == pb_utils.TritonError.INTERNAL:
-                    log.exception("prefill failed")
-                out.append(error_response(str(e), classify(e)))
-        return out
+        return respond_each(requests, self._one, log)
