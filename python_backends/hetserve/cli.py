@@ -68,7 +68,9 @@ def cmd_up(args) -> int:
             return rc
         print(f"serving; try: hetserve generate --url {topo.prefill_grpc} \"Hello\"   (Ctrl-C stops)",
               file=sys.stderr)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        sigs = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # servers run in their own sessions: stop them on either
+        signal.sigwait(sigs)
     except KeyboardInterrupt:
         pass
     finally:

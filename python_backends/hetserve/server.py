@@ -82,6 +82,8 @@ def stub_environment(extra: Optional[dict] = None) -> dict:
     wheel_libs = str(pytriton_dir().parents[1] / "nvidia_pytriton.libs")
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [libdir, wheel_libs, env.get("LD_LIBRARY_PATH", "")] if p)
     env["PYTHONHOME"] = sys.base_prefix
+    # The 2.51 stub does not honour PYTHONPATH for the model's own imports, so hetserve must be pip-installed
+    # (scripts/install.sh does `pip install -e .`); the path is still passed for any helper processes.
     paths = [str(PKG_DIR)] + site.getsitepackages() + [site.getusersitepackages()]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.setdefault("OMP_NUM_THREADS", "1")
