@@ -189,24 +189,16 @@ def test_missing_kv_times_out_and_decode_recomputes(topology, prompt_ids, refere
 
     import tritonclient.grpc as grpcclient
 
+    from hetserve.client import build_inputs
+
     p = PROMPTS[3]
     ids, ref = prompt_ids[p], reference_tokens[p]
     c = grpcclient.InferenceServerClient(topology.decode_grpc)
     q = queue.Queue()
     c.start_stream(callback=lambda result, error: q.put((result, error)))
 
-    def t(name, arr, dt):
-        x = grpcclient.InferInput(name, list(arr.shape), dt)
-        x.set_data_from_numpy(arr)
-        return x
-
-    ins = [t("op", np.array([b"generate"], np.object_), "BYTES"),
-           t("request_id", np.array([b"never-ingested-1"], np.object_), "BYTES"),
-           t("input_ids", np.asarray(ids, np.int32), "INT32"),
-           t("output_ids", np.asarray(ref[:1], np.int32), "INT32"),
-           t("precision", np.array([b"fp32"], np.object_), "BYTES"),
-           t("max_tokens", np.array([16], np.int32), "INT32"),
-           t("ignore_eos", np.array([True]), "BOOL")]
+    ins = build_inputs(None, op="generate", request_id="never-ingested-1", input_ids=ids, output_ids=ref[:1],
+                       precision="fp32", max_tokens=16, ignore_eos=True)
     t0 = time.perf_counter()
     c.async_stream_infer("decode", ins, enable_empty_final_response=True)
     toks, first_at = [], None

@@ -43,7 +43,7 @@ class Generation:
 _DTYPES = {"max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32),
            "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "ignore_eos": ("BOOL", bool),
            "apply_chat_template": ("BOOL", bool), "stop_token_ids": ("INT32", np.int32),
-           "input_ids": ("INT32", np.int32)}
+           "input_ids": ("INT32", np.int32), "output_ids": ("INT32", np.int32)}
 
 
 def build_inputs(prompt: Optional[str], **params):

@@ -108,13 +108,6 @@ class BatchKV:
             self._realloc(0, 0)
         return moved
 
-    def extract(self, row: int):
-        ln = int(self.lens[row])
-        return self.k[row, :, :, :ln].copy(), self.v[row, :, :, :ln].copy()
-
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
-
 
 class DecodeScheduler:
     def __init__(self, engines: Dict[str, "object"], eos_ids=(), max_batch: int = 16,
@@ -140,10 +133,6 @@ class DecodeScheduler:
         self._thread.start()
 
     # ---- admission ------------------------------------------------------------------------------
-    def reserved_bytes(self) -> int:
-        seqs = [s for rs in self.running.values() for s in rs] + list(self.waiting)
-        return sum(s.reserve_tokens() for s in seqs) * self.kv_token_bytes
-
     def submit(self, seq: Sequence) -> None:
         if seq.precision not in self.engines:
             raise ValueError(f"decode precision {seq.precision!r} not loaded; have {sorted(self.engines)}")
@@ -264,9 +253,6 @@ class DecodeScheduler:
                 s.on_tokens([], reason)
             except Exception:
                 pass
-
-    def kv_blocks_in_use(self) -> int:
-        return sum(b.n for b in self.batches.values()) + len(self.waiting)
 
     def close(self):
         self._stop = True

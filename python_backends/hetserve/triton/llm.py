@@ -18,8 +18,8 @@ import triton_python_backend_utils as pb_utils
 from ..engines.manifest import read_manifest
 from ..model.checkpoint import LlamaConfig
 from ..sampling import is_stop_token
-from .common import (RequestError, check_prompt, classify, engine_dir, error, inp, sampling_params, sampling_tensors, scalar,
-                     str_tensor, tokenizer)
+from .common import (RequestError, check_prompt, classify, engine_dir, error, inp, sampling_params,
+                     sampling_tensors, scalar, str_tensor, tokenizer)
 from .streaming import TextStreamer
 
 log = logging.getLogger("hetserve.llm")
@@ -41,27 +41,15 @@ class DecodeStream:
     def __init__(self, url: str):
         import tritonclient.grpc as grpcclient
 
-        self.grpc = grpcclient
         self.client = grpcclient.InferenceServerClient(url)
         self.q: "queue.Queue" = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.q.put((result, error)))
 
     def start(self, rid, prompt, out_ids, params, precision):
-        g = self.grpc
+        from ..client import build_inputs
 
-        def t(name, arr, dt):
-            x = g.InferInput(name, list(arr.shape), dt)
-            x.set_data_from_numpy(arr)
-            return x
-
-        ins = [t("op", np.array([b"generate"], np.object_), "BYTES"),
-               t("request_id", np.array([rid.encode()], np.object_), "BYTES"),
-               t("input_ids", np.asarray(prompt, np.int32), "INT32"),
-               t("output_ids", np.asarray(out_ids, np.int32), "INT32"),
-               t("precision", np.array([precision.encode()], np.object_), "BYTES")]
-        dts = {"max_tokens": "INT32", "temperature": "FP32", "top_k": "INT32", "top_p": "FP32", "seed": "UINT64",
-               "ignore_eos": "BOOL", "stop_token_ids": "INT32"}
-        ins += [t(n, a, dts[n]) for n, a in sampling_tensors(params)]
+        ins = build_inputs(None, op="generate", request_id=rid, input_ids=prompt, output_ids=out_ids,
+                           precision=precision, **dict(sampling_tensors(params)))
         self.client.async_stream_infer("decode", ins, request_id=rid, enable_empty_final_response=True)
 
     def responses(self, timeout_s: float):
