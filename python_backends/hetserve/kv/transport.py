@@ -147,7 +147,7 @@ class KVSender:
                     p.set_shared_memory(region[0], payload.nbytes, offset=off)
             if used == "grpc":
                 p.set_data_from_numpy(payload)
-            c.infer("kv_ingest", [rid, h, p], client_timeout=timeout_s)
+            c.infer("kv_ingest", [rid, h, p], client_timeout=timeout_s, parameters={"hetserve_transport": used})
         except Exception as e:
             raise TransferError(f"KV transfer over {used} to {url} failed: {e}") from e
         finally:

@@ -12,6 +12,7 @@ from ..engines.runtime import Engine
 from ..sampling import is_stop_token, sample
 from ..scheduler import DecodeScheduler, Sequence
 from .common import check_prompt, classify, engine_dir, error, inp, sampling_params, tokenizer
+from .metrics import BusyMeter, Poller
 from .preprocess import tokenize_request
 from .streaming import TextStreamer
 
@@ -33,21 +34,26 @@ class TritonPythonModel:
                                      max_batch=int(os.environ.get("HETSERVE_MAX_BATCH", "16")),
                                      max_queue=int(os.environ.get("HETSERVE_MAX_QUEUE", "64")))
         self.lock = threading.Lock()
+        self.busy = BusyMeter()
+        self.poller = Poller(lambda: {"busy_seconds": self.busy.total() + self.sched.stats["step_seconds"]},
+                             "aggregated")
         tokenizer()
 
     def finalize(self):
+        self.poller.close()
         self.sched.close()
 
     def _handle(self, r, sender):
         streamer = None
         try:
             params = sampling_params(r)
-            streamer = TextStreamer(sender, tokenizer(), params, self.cfg.eos_token_ids)
+            streamer = TextStreamer(sender, tokenizer(), params, self.cfg.eos_token_ids, model="aggregated")
             ids = inp(r, "input_ids")
             prompt = [int(x) for x in ids.reshape(-1)] if ids is not None and ids.size else \
                 [int(x) for x in tokenize_request(r)]
             check_prompt(prompt, self.cfg, params.max_tokens)
-            logits, k, v = self.prefill.prefill(prompt)
+            with self.busy.timed():
+                logits, k, v = self.prefill.prefill(prompt)
             first = sample(logits, params, 0)
             stop = is_stop_token(first, params, self.cfg.eos_token_ids)
             if not streamer.push([first], "stop" if stop else ("length" if params.max_tokens == 1 else None)):

@@ -22,6 +22,7 @@ from ..kv import wire
 from ..scheduler import DecodeScheduler, Sequence
 from ..sampling import is_stop_token
 from .common import RequestError, check_prompt, classify, engine_dir, error, inp, int_list, sampling_params, scalar, str_tensor
+from .metrics import REGISTRY, Poller, gauges
 
 log = logging.getLogger("hetserve.decode")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -79,8 +80,23 @@ class TritonPythonModel:
         self.pending = PendingKV()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="decode-admit")
         self.counters = {"recompute": 0, "ingested": 0}
+        for reason in ("timeout", "mismatch", "resume"):
+            REGISTRY.declare("hetserve_kv_recompute_total", reason=reason)
+        self.poller = Poller(self._sample_metrics, "decode")
+
+    def _sample_metrics(self) -> dict:
+        sched = self.sched
+        st = sched.stats
+        g = [("hetserve_batch_size", {}, st["batch_size"] if sched.n_running() else 0),
+             ("hetserve_queue_depth", {}, len(sched.waiting))]
+        pool = getattr(sched, "kv_pool", None)  # paged KV pool, when present
+        if pool is not None:
+            for tier, n in pool.stats().get("tier_blocks", {}).items():
+                g.append(("hetserve_kv_tier_blocks", {"tier": tier}, n))
+        return {"gauges": gauges(g), "busy_seconds": st["step_seconds"]}
 
     def finalize(self):
+        self.poller.close()
         self.sched.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -121,6 +137,8 @@ class TritonPythonModel:
             if got is None or got[0].shape[2] != len(ctx):
                 # KV missing (timeout, failed transfer, or resume after migration): recompute it here.
                 self.counters["recompute"] += 1
+                reason = "resume" if len(out_ids) > 1 else ("timeout" if got is None else "mismatch")
+                REGISTRY.inc("hetserve_kv_recompute_total", reason=reason)
                 _, k, v = self.engines[prec].prefill(ctx)
             else:
                 k, v = got

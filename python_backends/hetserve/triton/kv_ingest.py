@@ -5,6 +5,7 @@ A mismatch (model hash, layout, dtype, shape, size, crc32) is refused with INVAL
 """
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -14,8 +15,18 @@ import triton_python_backend_utils as pb_utils
 from ..engines.manifest import read_manifest
 from ..kv import wire
 from .common import RequestError, engine_dir, inp, respond_each, scalar, str_tensor
+from .metrics import REGISTRY, transfer_failure_reason
 
 log = logging.getLogger("hetserve.kv_ingest")
+
+
+def _transport_of(request) -> str:
+    """The sender names its transport in a request parameter (KVSender); 'unknown' for other senders."""
+    try:
+        t = json.loads(request.parameters() or "{}").get("hetserve_transport", "unknown")
+    except Exception:
+        return "unknown"
+    return t if t in ("grpc", "shm", "cuda_shm", "nixl") else "unknown"
 
 
 class TritonPythonModel:
@@ -40,6 +51,8 @@ class TritonPythonModel:
         try:
             wire.verify(hdr, payload, self.compat, self.shape)
         except wire.KVWireError as e:
+            REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=_transport_of(r),
+                         reason=transfer_failure_reason(e))
             raise RequestError(f"KV refused for request {rid}: {e}") from None
         req = pb_utils.InferenceRequest(
             model_name="decode",

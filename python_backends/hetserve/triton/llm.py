@@ -113,7 +113,7 @@ class TritonPythonModel:
         streamer = None
         try:
             params = sampling_params(r)
-            streamer = TextStreamer(sender, tok, params, self.cfg.eos_token_ids)
+            streamer = TextStreamer(sender, tok, params, self.cfg.eos_token_ids, model="llm")
             prompt = self._prompt_ids(r)
             check_prompt(prompt, self.cfg, params.max_tokens)
             precision = scalar(r, "decode_precision", None, str) or self.default_precision

@@ -10,6 +10,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..sampling import SamplingParams
 from .common import str_tensor
+from .metrics import REGISTRY
 from ..tokenizer import stable_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -18,8 +19,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class TextStreamer:
     """Incremental detokenisation + stop strings. `push` returns False once generation should stop."""
 
-    def __init__(self, sender, tok, params: SamplingParams, eos_ids):
-        self.sender, self.tok, self.params = sender, tok, params
+    def __init__(self, sender, tok, params: SamplingParams, eos_ids, model: str = "llm"):
+        self.sender, self.tok, self.params, self.model = sender, tok, params, model
         self.eos_ids = set(eos_ids)
         self.ids: List[int] = []
         self.text = ""  # stable text emitted so far
@@ -33,10 +34,14 @@ class TextStreamer:
         if final:
             tensors.append(str_tensor("finish_reason", [self.finish_reason or "stop"]))
         self.sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL if final else 0)
+        if final and self.ttft is not None and len(self.ids) > 1:
+            tpot = (time.perf_counter() - self.t0 - self.ttft) / (len(self.ids) - 1)
+            REGISTRY.observe("hetserve_tpot_seconds", tpot, model=self.model)
 
     def push(self, new: List[int], reason: Optional[str] = None) -> bool:
         if self.ttft is None and new:
             self.ttft = time.perf_counter() - self.t0
+            REGISTRY.observe("hetserve_ttft_seconds", self.ttft, model=self.model)
         self.ids.extend(int(t) for t in new)
         visible = [t for t in self.ids if t not in self.eos_ids]
         cur = stable_text(self.tok, visible)
