@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 from ..engines.manifest import read_manifest
 from ..kv import wire
 from .common import RequestError, engine_dir, inp, respond_each, scalar, str_tensor
-from .metrics import REGISTRY, transfer_failure_reason
+from .metrics import REGISTRY, declare_transfer_failures, transfer_failure_reason
 
 log = logging.getLogger("hetserve.kv_ingest")
 
@@ -37,6 +37,7 @@ class TritonPythonModel:
         self.compat = man["compat_hash"]
         c = man["config"]
         self.shape = (c["num_layers"], c["num_kv_heads"], c["head_dim"])
+        declare_transfer_failures(("grpc", "shm"))
 
     def _one(self, r):
         rid = scalar(r, "request_id", None, str)

@@ -215,14 +215,25 @@ def gauges(pairs: Iterable[Tuple[str, dict, float]]) -> dict:
     return {(n, labels(**lab)): v for n, lab, v in pairs}
 
 
+_REASON_KEYS = (("model hash", "hash_mismatch"), ("compat", "hash_mismatch"), ("crc", "checksum"),
+                ("checksum", "checksum"), ("layout", "layout"), ("dtype", "dtype"), ("shape", "shape"),
+                ("size", "size"), ("timed out", "timeout"), ("timeout", "timeout"), ("deadline", "timeout"),
+                ("unavailable", "unavailable"), ("connect", "unavailable"), ("shm", "shm"),
+                ("shared memory", "shm"))
+FAILURE_REASONS = tuple(dict.fromkeys([r for _, r in _REASON_KEYS] + ["error"]))
+
+
 def transfer_failure_reason(exc: Optional[BaseException]) -> str:
-    """Short, bounded-cardinality reason label for a failed/refused KV transfer."""
+    """Short, bounded-cardinality reason label (one of FAILURE_REASONS) for a failed/refused KV transfer."""
     msg = str(exc or "").lower()
-    for key, reason in (("model hash", "hash_mismatch"), ("compat", "hash_mismatch"), ("crc", "checksum"),
-                        ("checksum", "checksum"), ("layout", "layout"), ("dtype", "dtype"), ("shape", "shape"),
-                        ("size", "size"), ("timed out", "timeout"), ("timeout", "timeout"), ("deadline", "timeout"),
-                        ("unavailable", "unavailable"), ("connect", "unavailable"), ("shm", "shm"),
-                        ("shared memory", "shm")):
+    for key, reason in _REASON_KEYS:
         if key in msg:
             return reason
     return "error"
+
+
+def declare_transfer_failures(transports: Iterable[str], registry: Registry = REGISTRY):
+    """Export every (transport, reason) failure counter at 0, so increase() sees the first failure."""
+    for t in transports:
+        for r in FAILURE_REASONS:
+            registry.declare("hetserve_kv_transfer_failures_total", transport=t, reason=r)

@@ -23,7 +23,7 @@ from ..kv.transport import TRANSPORTS, KVSender
 from ..sampling import sample
 from .common import (RequestError, check_prompt, engine_dir, inp, respond_each, sampling_params, scalar,
                      str_tensor)
-from .metrics import REGISTRY, BusyMeter, Poller, gauges, transfer_failure_reason
+from .metrics import REGISTRY, BusyMeter, Poller, declare_transfer_failures, gauges, transfer_failure_reason
 
 log = logging.getLogger("hetserve.prefill")
 
@@ -41,6 +41,7 @@ class TritonPythonModel:
         self.busy = BusyMeter()
         for t in TRANSPORTS:
             REGISTRY.declare("hetserve_kv_transfer_bytes_total", transport=t)
+        declare_transfer_failures(TRANSPORTS)
         for n in ("hetserve_kv_prefix_hits_total", "hetserve_kv_prefix_lookups_total"):
             REGISTRY.declare(n)
         self.poller = Poller(self._sample_metrics, "prefill")
