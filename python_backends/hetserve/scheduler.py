@@ -4,10 +4,19 @@ Sequences join and leave at every step; each step makes one engine call per prec
 batch. KV of the running batch lives in one batch-major buffer [rows, L, KVH, cap, D] whose first n rows are
 the active sequences, so the engine input is a contiguous view with no per-step copy; a retiring sequence's
 row is refilled by the last row (one row copy).
+
+The KV memory budget is a paged block pool (kv/blocks.py): every sequence's KV lives in pool blocks (waiting
+ones anywhere in the tier stack, running ones pinned on the device tier and written through each step), and
+the batch buffer is the engine's contiguous working copy of the running rows. A sequence is admitted when the
+device tier can hold its KV plus one block of headroom. When a running sequence needs a new block and the
+device tier is full, the lowest-priority, newest running sequence is preempted: its blocks are swapped down a
+tier and it resumes (bit-exact, so greedy output is unchanged) when blocks free up. Without a lower tier to
+swap to, or if a tier lost the blocks, the KV is recomputed from `prompt_ids` on resume.
 """
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -17,6 +26,7 @@ from typing import Callable, Deque, Dict, List, Optional
 import numpy as np
 
 from .engines.runtime import NEG_INF
+from .kv.blocks import BlockPool, KVLost, PoolFull
 from .sampling import SamplingParams, is_stop_token, sample
 
 log = logging.getLogger("hetserve.scheduler")
@@ -41,6 +51,10 @@ class Sequence:
     v: Optional[np.ndarray] = None
     arrived: float = field(default_factory=time.monotonic)
     finished: Optional[str] = None
+    priority: int = 0  # preemption takes the lowest priority first, then the newest arrival
+    prompt_ids: Optional[List[int]] = None  # lets the scheduler recompute KV that could not be kept
+    kv_id: int = -1  # key of this sequence in the KV block pool (set by submit)
+    preempted: int = 0  # times preempted
 
     @property
     def kv_len(self) -> int:  # tokens whose KV is cached: prompt + generated except the last one
@@ -111,24 +125,35 @@ class BatchKV:
 
 class DecodeScheduler:
     def __init__(self, engines: Dict[str, "object"], eos_ids=(), max_batch: int = 16,
-                 kv_budget_bytes: int = 2 << 30, max_queue: int = 64, idle_wait_s: float = 0.05):
+                 kv_budget_bytes: int = 2 << 30, max_queue: int = 64, idle_wait_s: float = 0.05,
+                 pool: Optional[BlockPool] = None, block_tokens: int = 16, idle_demote_s: float = 0.0):
+        """pool: the KV block pool (the scheduler owns and closes it); default: a device tier of
+        kv_budget_bytes plus a host tier of the same size. idle_demote_s > 0 demotes waiting sequences'
+        KV one tier after that many idle seconds."""
         self.engines = engines
         e0 = next(iter(engines.values()))
         c = e0.config
         self.cfg = c
         self.eos_ids = set(eos_ids or c.eos_token_ids)
         self.max_batch = max_batch
-        self.kv_budget = kv_budget_bytes
         self.max_queue = max_queue
-        self.kv_token_bytes = c.kv_bytes_per_token(4)
+        self.kv_pool = pool if pool is not None else BlockPool.create(
+            c.num_layers, c.num_kv_heads, c.head_dim, device_bytes=kv_budget_bytes, host_bytes=kv_budget_bytes,
+            block_tokens=block_tokens)
+        self.kv_budget = self.kv_pool.capacity("device") * self.kv_pool.block_bytes
+        self._kv_ids = itertools.count()
+        self._idle_demote_s = idle_demote_s
+        self._last_idle_check = self._last_sweep = time.monotonic()
         self.batches = {p: BatchKV(c.num_layers, c.num_kv_heads, c.head_dim) for p in engines}
         self.running: Dict[str, List[Sequence]] = {p: [] for p in engines}
         self.waiting: Deque[Sequence] = collections.deque()
         self.cv = threading.Condition()
         self.stats = {"steps": 0, "tokens": 0, "batch_size": 0, "queue_depth": 0, "admitted": 0,
-                      "finished": 0, "cancelled": 0, "step_seconds": 0.0}
+                      "finished": 0, "cancelled": 0, "step_seconds": 0.0, "preempted": 0, "resumed": 0,
+                      "kv_recomputed": 0, "kv_dropped": 0}
         self._stop = False
         self._idle_wait = idle_wait_s
+        self.snapshotter = None  # kv.snapshot.Snapshotter: after_step(sched) / on_finish(request_id)
         self._thread = threading.Thread(target=self._loop, name="decode-batcher", daemon=True)
         self._thread.start()
 
@@ -136,12 +161,23 @@ class DecodeScheduler:
     def submit(self, seq: Sequence) -> None:
         if seq.precision not in self.engines:
             raise ValueError(f"decode precision {seq.precision!r} not loaded; have {sorted(self.engines)}")
-        need = seq.reserve_tokens() * self.kv_token_bytes
+        if seq.k is None or seq.v is None:
+            raise ValueError("sequence has no KV (k, v)")
+        pool = self.kv_pool
+        need, cap = pool.blocks_for(seq.reserve_tokens()), pool.capacity("device")
+        if need > cap:
+            raise Overloaded(f"request needs {need} KV blocks ({need * pool.block_bytes / 2**20:.1f} MiB) on the "
+                             f"device tier, budget is {cap} blocks ({self.kv_budget / 2**20:.1f} MiB)")
         with self.cv:
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"decode queue full ({self.max_queue} waiting); retry later")
-            if need > self.kv_budget:
-                raise Overloaded(f"request needs {need >> 20} MiB of KV, budget is {self.kv_budget >> 20} MiB")
+        seq.kv_id = next(self._kv_ids)
+        try:
+            pool.add(seq.kv_id, seq.k, seq.v)
+        except PoolFull as e:
+            raise Overloaded(f"{e}; retry later") from e
+        seq.k = seq.v = None
+        with self.cv:
             self.waiting.append(seq)
             self.cv.notify()
 
@@ -149,26 +185,111 @@ class DecodeScheduler:
         return sum(len(r) for r in self.running.values())
 
     def _admit(self):
-        reserved = sum(s.reserve_tokens() for rs in self.running.values() for s in rs) * self.kv_token_bytes
+        pool = self.kv_pool
         while self.waiting and self.n_running() < self.max_batch:
             s = self.waiting[0]
-            need = s.reserve_tokens() * self.kv_token_bytes
-            if reserved + need > self.kv_budget and self.n_running() > 0:
-                break  # wait for memory to free up
-            self.waiting.popleft()
             if s.is_cancelled():
+                self.waiting.popleft()
                 self.stats["cancelled"] += 1
                 self._finish(s, "cancelled")
                 continue
-            self.batches[s.precision].add(s.k, s.v)
-            s.k = s.v = None
+            want = min(s.kv_len + pool.bt, s.reserve_tokens())  # its KV plus one block of headroom
+            fits = (pool.can_activate(s.kv_id, want) if s.kv_id in pool
+                    else pool.can_allocate(pool.blocks_for(want)))
+            if not fits and self.n_running() > 0:
+                self._sweep_cancelled()
+                break  # wait for running sequences to free blocks
+            self.waiting.popleft()
+            try:
+                k, v = self._activate(s)
+            except Exception as e:  # KV pool exhausted on every tier, lost KV without prompt ids, ...
+                log.warning("cannot resume %s: %s", s.request_id, e)
+                self._finish(s, f"error: {e}")
+                continue
+            self.batches[s.precision].add(k, v)
             self.running[s.precision].append(s)
-            reserved += need
-            self.stats["admitted"] += 1
+            self.stats["resumed" if s.preempted else "admitted"] += 1
+
+    def _sweep_cancelled(self):
+        """Free the KV of cancelled sequences stuck behind the queue head (at most every 0.5 s)."""
+        now = time.monotonic()
+        if now - self._last_sweep < 0.5:
+            return
+        self._last_sweep = now
+        for s in [s for s in self.waiting if s.is_cancelled()]:
+            self.waiting.remove(s)
+            self.stats["cancelled"] += 1
+            self._finish(s, "cancelled")
+
+    def _activate(self, s: Sequence):
+        """Pin s's KV on the device tier (room for the next token) and return it; recompute it when gone."""
+        pool = self.kv_pool
+        if s.kv_id in pool:
+            try:
+                pool.activate(s.kv_id, s.kv_len + 1)
+                return pool.read(s.kv_id)
+            except KVLost as e:
+                log.warning("KV of %s lost (%s); recomputing", s.request_id, e)
+                pool.free(s.kv_id)
+        if s.prompt_ids is None:
+            raise KVLost("the sequence's KV is gone and it has no prompt ids to recompute it from")
+        _, k, v = self.engines[s.precision].prefill(list(s.prompt_ids) + s.tokens[:-1])
+        self.stats["kv_recomputed"] += 1
+        s.kv_id = next(self._kv_ids)
+        pool.add(s.kv_id, k, v)
+        pool.activate(s.kv_id, s.kv_len + 1)
+        return pool.read(s.kv_id)
+
+    def _reserve_blocks(self):
+        """Give every running sequence a block slot for the token this step writes. When the device tier is
+        full (and waiting sequences' blocks there cannot be demoted), drop recomputable waiting KV from the
+        device tier, then preempt the lowest-priority, newest running sequences until it fits."""
+        pool = self.kv_pool
+        key = lambda s: (s.priority, -s.arrived)  # noqa: E731 - min() = the preemption victim
+        for s in sorted((s for rs in self.running.values() for s in rs), key=key, reverse=True):
+            while s in self.running[s.precision] and not pool.reserve(s.kv_id, s.kv_len + 1):
+                if not self._drop_waiting_kv():
+                    self._preempt(min((x for rs in self.running.values() for x in rs), key=key))
+
+    def _drop_waiting_kv(self) -> bool:
+        """Free the device-resident KV of the newest waiting sequence that can recompute it (no lower tier had
+        room for it); False if there is none."""
+        pool = self.kv_pool
+        with self.cv:
+            for w in reversed(self.waiting):
+                if w.prompt_ids is not None and w.kv_id in pool and pool.placement(w.kv_id).get("device"):
+                    pool.free(w.kv_id)
+                    self.stats["kv_dropped"] += 1
+                    return True
+        return False
+
+    def _preempt(self, s: Sequence):
+        """Take s out of the batch and swap its KV down a tier (or drop it to recompute on resume)."""
+        self._remove_row(s.precision, s)
+        pool = self.kv_pool
+        pool.deactivate(s.kv_id)
+        try:
+            where = f"{pool.demote(s.kv_id)} blocks swapped down"
+            if pool.placement(s.kv_id).get("device"):
+                raise PoolFull("no tier below the device tier")
+        except (PoolFull, KVLost) as e:
+            if s.prompt_ids is None:
+                self._finish(s, f"error: KV budget exhausted and nowhere to swap to ({e})")
+                return
+            pool.free(s.kv_id)
+            where = "KV dropped, will recompute"
+        s.preempted += 1
+        self.stats["preempted"] += 1
+        log.warning("KV device tier full: preempted %s at %d tokens (%s)", s.request_id, s.kv_len, where)
+        with self.cv:
+            self.waiting.appendleft(s)
 
     # ---- the loop -------------------------------------------------------------------------------
     def _loop(self):
         while not self._stop:
+            if self._idle_demote_s > 0 and time.monotonic() - self._last_idle_check > 1.0:
+                self._last_idle_check = time.monotonic()
+                self.kv_pool.demote_idle(self._idle_demote_s)
             with self.cv:
                 self._admit()
                 if self.n_running() == 0:
@@ -177,6 +298,8 @@ class DecodeScheduler:
                 self.stats["queue_depth"] = len(self.waiting)
             try:
                 self.step()
+                if self.snapshotter is not None:
+                    self.snapshotter.after_step(self)
             except Exception as e:  # engine failure: fail the running sequences, keep serving
                 log.exception("decode step failed")
                 for p, seqs in self.running.items():
@@ -187,11 +310,11 @@ class DecodeScheduler:
         t0 = time.monotonic()
         total = 0
         for prec, seqs in self.running.items():
-            if not seqs:
-                continue
             for s in [s for s in seqs if s.is_cancelled()]:
                 self.stats["cancelled"] += 1
                 self._retire(prec, s, "cancelled")
+        self._reserve_blocks()
+        for prec, seqs in self.running.items():
             if not seqs:
                 continue
             bk = self.batches[prec]
@@ -210,6 +333,7 @@ class DecodeScheduler:
                 bk.k[b, :, :, pos] = nk[b, :, :, 0]
                 bk.v[b, :, :, pos] = nv[b, :, :, 0]
             bk.lens[:n] += 1
+            self.kv_pool.append([s.kv_id for s in seqs], nk[:, :, :, 0], nv[:, :, :, 0])
             done = []
             for b, s in enumerate(seqs):
                 tok = sample(logits[b], s.params, len(s.tokens))
@@ -236,18 +360,24 @@ class DecodeScheduler:
         self.stats["batch_size"] = total
         self.stats["step_seconds"] += dt
 
-    def _retire(self, prec: str, s: Sequence, reason: str, emit: bool = True):
+    def _remove_row(self, prec: str, s: Sequence):
         seqs = self.running[prec]
         row = seqs.index(s)
         moved = self.batches[prec].remove(row)
         if moved is not None:
             seqs[row] = seqs[moved]
         seqs.pop()
+
+    def _retire(self, prec: str, s: Sequence, reason: str, emit: bool = True):
+        self._remove_row(prec, s)
         self._finish(s, reason, emit)
 
     def _finish(self, s: Sequence, reason: str, emit: bool = True):
+        self.kv_pool.free(s.kv_id)  # every block of a finished / cancelled / failed sequence
         s.finished = reason
         self.stats["finished"] += 1
+        if self.snapshotter is not None:
+            self.snapshotter.on_finish(s.request_id)
         if emit:
             try:
                 s.on_tokens([], reason)
@@ -259,3 +389,4 @@ class DecodeScheduler:
         with self.cv:
             self.cv.notify_all()
         self._thread.join(timeout=5)
+        self.kv_pool.close()

@@ -140,11 +140,12 @@ def error_response(msg: str, code=None) -> "pb_utils.InferenceResponse":
 
 def classify(exc: Exception):
     """Exception -> Triton error code."""
+    from ..reliability import BreakerOpen, NoDecodeServer
     from ..scheduler import Overloaded
 
     if isinstance(exc, (RequestError, ValueError)):
         return pb_utils.TritonError.INVALID_ARG
-    if isinstance(exc, Overloaded):
+    if isinstance(exc, (Overloaded, BreakerOpen, NoDecodeServer)):
         return pb_utils.TritonError.UNAVAILABLE
     return pb_utils.TritonError.INTERNAL
 

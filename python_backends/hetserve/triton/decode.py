@@ -19,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..engines.runtime import Engine
 from ..kv import wire
+from ..kv.snapshot import Snapshotter
 from ..scheduler import DecodeScheduler, Sequence
 from ..sampling import is_stop_token
 from .common import RequestError, check_prompt, classify, engine_dir, error, inp, int_list, sampling_params, scalar, str_tensor
@@ -77,6 +78,8 @@ class TritonPythonModel:
             max_batch=int(os.environ.get("HETSERVE_MAX_BATCH", "16")),
             kv_budget_bytes=int(float(os.environ.get("HETSERVE_KV_BUDGET_MB", "2048")) * (1 << 20)),
             max_queue=int(os.environ.get("HETSERVE_MAX_QUEUE", "64")))
+        self.snapshots = Snapshotter.from_env(self.compat)
+        self.sched.snapshotter = self.snapshots
         self.pending = PendingKV()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="decode-admit")
         self.counters = {"recompute": 0, "ingested": 0}
@@ -93,11 +96,15 @@ class TritonPythonModel:
         if pool is not None:
             for tier, n in pool.stats().get("tier_blocks", {}).items():
                 g.append(("hetserve_kv_tier_blocks", {"tier": tier}, n))
+        if self.snapshots is not None:
+            g.append(("hetserve_snapshot_age_seconds", {}, self.snapshots.oldest_age_s()))
         return {"gauges": gauges(g), "busy_seconds": st["step_seconds"]}
 
     def finalize(self):
         self.poller.close()
         self.sched.close()
+        if self.snapshots is not None:
+            self.snapshots.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- ops ------------------------------------------------------------------------------------
@@ -130,18 +137,34 @@ class TritonPythonModel:
             return
         self.pool.submit(self._admit, rid, prompt, out_ids, params, prec, sender)
 
+    def _context_kv(self, rid, prompt, out_ids, prec):
+        """KV of prompt + out_ids[:-1]: the transferred KV, else a snapshot + the tail, else a full recompute."""
+        got = self.pending.take(rid, self.kv_timeout_s) if len(out_ids) == 1 else None
+        ctx = prompt + out_ids[:-1]
+        if got is not None and got[0].shape[2] == len(ctx):
+            return got
+        eng = self.engines[prec]
+        if len(out_ids) > 1 and self.snapshots is not None:  # resume after migration
+            snap = self.snapshots.restore(rid, ctx, (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim))
+            if snap is not None:
+                n, k, v = snap
+                REGISTRY.inc("hetserve_snapshot_restores_total")
+                if n == len(ctx):
+                    return k, v
+                _, tk, tv = eng.prefill(ctx[n:], past_k=k, past_v=v)
+                return np.concatenate([k, tk], axis=2), np.concatenate([v, tv], axis=2)
+        # KV missing (timeout, failed transfer, or resume without snapshot): recompute it here.
+        self.counters["recompute"] += 1
+        reason = "resume" if len(out_ids) > 1 else ("timeout" if got is None else "mismatch")
+        REGISTRY.inc("hetserve_kv_recompute_total", reason=reason)
+        _, k, v = eng.prefill(ctx)
+        return k, v
+
     def _admit(self, rid, prompt, out_ids, params, prec, sender):
         try:
-            got = self.pending.take(rid, self.kv_timeout_s) if len(out_ids) == 1 else None
-            ctx = prompt + out_ids[:-1]
-            if got is None or got[0].shape[2] != len(ctx):
-                # KV missing (timeout, failed transfer, or resume after migration): recompute it here.
-                self.counters["recompute"] += 1
-                reason = "resume" if len(out_ids) > 1 else ("timeout" if got is None else "mismatch")
-                REGISTRY.inc("hetserve_kv_recompute_total", reason=reason)
-                _, k, v = self.engines[prec].prefill(ctx)
-            else:
-                k, v = got
+            k, v = self._context_kv(rid, prompt, out_ids, prec)
+            if self.snapshots is not None:
+                self.snapshots.track(rid, prompt)
 
             def on_tokens(toks, reason, sender=sender):
                 tensors = [pb_utils.Tensor("token_ids", np.asarray(toks, np.int32))]
@@ -158,17 +181,73 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error(str(e), classify(e))),
                         flags=FINAL)
 
+    def _canary(self, sender):
+        eng = self.engines[self.default_precision]
+        logits, _, _ = eng.prefill([int(self.cfg.bos_token_id if getattr(self.cfg, "bos_token_id", None) is not None
+                                        else 1)])
+        tok = int(np.argmax(logits))
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("token_ids", np.array([tok], np.int32))]),
+                    flags=FINAL)
+
+    def _doctor(self, op, r, sender):
+        """`hetserve doctor` ops, one final response with doctor_json. info: what this server runs (engines,
+        precisions, versions, pending KV count). verify: take the KV sent under request_id out of pending and
+        compare its next-token logits with a full recompute of input_ids (doctor.verify_kv), off this thread."""
+        from .. import doctor
+
+        args = doctor.parse_args_json(scalar(r, "doctor_args", "", str))
+        if op == "info":
+            man = next(iter(self.engines.values())).manifest
+            out = doctor.server_info("decode", man, {e.name: e.precision for e in self.engines.values()},
+                                     pending=len(self.pending), counters=dict(self.counters),
+                                     default_precision=self.default_precision, kv_timeout_ms=self.kv_timeout_s * 1e3)
+            return self._send_json(sender, out)
+        rid = scalar(r, "request_id", None, str)
+        prompt = int_list(r, "input_ids")
+        if not rid or len(prompt) < 2:
+            raise RequestError("op=verify needs 'request_id' and 'input_ids' (the prompt, >= 2 tokens)")
+        check_prompt(prompt, self.cfg)
+        prec = scalar(r, "precision", None, str) or ("fp32" if "fp32" in self.engines else self.default_precision)
+        if prec not in self.engines:
+            raise RequestError(f"decode precision {prec!r} not loaded; have {sorted(self.engines)}")
+        timeout_s = min(max(float(args.get("timeout_s", 5.0)), 0.0), 60.0)
+        self.pool.submit(self._verify, rid, prompt, prec, timeout_s, sender)
+
+    def _verify(self, rid, prompt, prec, timeout_s, sender):
+        from .. import doctor
+
+        try:
+            got = self.pending.take(rid, timeout_s)
+            if got is None:
+                raise RequestError(f"no KV arrived for request {rid!r} within {timeout_s:g}s")
+            self._send_json(sender, doctor.verify_kv(self.engines[prec], prompt, *got))
+        except Exception as e:
+            if classify(e) == pb_utils.TritonError.INTERNAL:
+                log.exception("decode op=verify failed")
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error(str(e), classify(e))),
+                        flags=FINAL)
+
+    @staticmethod
+    def _send_json(sender, obj):
+        from .common import json_bytes
+
+        sender.send(pb_utils.InferenceResponse([str_tensor("doctor_json", [json_bytes(obj)])]), flags=FINAL)
+
     def execute(self, requests):
         for r in requests:
             sender = r.get_response_sender()
             try:
                 op = scalar(r, "op", "generate", str)
-                if op == "ingest":
+                if op == "canary":  # health check: one real engine step, answered at once
+                    self._canary(sender)
+                elif op == "ingest":
                     self._ingest(r)
                     sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("token_ids", np.zeros(0, np.int32))]),
                                 flags=FINAL)
                 elif op == "generate":
                     self._generate(r, sender)
+                elif op in ("info", "verify"):  # `hetserve doctor` (doctor.py)
+                    self._doctor(op, r, sender)
                 else:
                     raise RequestError(f"unknown op {op!r}; use 'generate' or 'ingest'")
             except Exception as e:

@@ -2,13 +2,19 @@
 stream over gRPC -> incremental detokenisation -> streamed text.
 
 Control plane only: KV bytes go prefill -> decode directly, once; this model moves token ids.
+Reliability (see reliability.py): decode servers come from a health-checked pool and are picked by load; the
+circuit breaker refuses requests at once (UNAVAILABLE) while latency or queues are out of bounds; when a decode
+server fails or stalls mid-stream the request moves to another one, which resumes from the KV snapshot or by
+recomputing prompt + tokens so far, and the client keeps one uninterrupted stream.
 """
 from __future__ import annotations
 
 import logging
 import os
 import queue
+import re
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -17,9 +23,12 @@ import triton_python_backend_utils as pb_utils
 
 from ..engines.manifest import read_manifest
 from ..model.checkpoint import LlamaConfig
+from ..reliability import BreakerOpen, CircuitBreaker, DecodePool
 from ..sampling import is_stop_token
+from ..scheduler import Overloaded
 from .common import (RequestError, check_prompt, classify, engine_dir, error, inp, sampling_params,
                      sampling_tensors, scalar, str_tensor, tokenizer)
+from .metrics import REGISTRY
 from .streaming import TextStreamer
 
 log = logging.getLogger("hetserve.llm")
@@ -33,6 +42,23 @@ def _bls(model, inputs, outputs):
             raise RequestError(err.message())
         raise RuntimeError(f"{model}: {err.message()}")
     return {n: pb_utils.get_output_tensor_by_name(resp, n).as_numpy() for n in outputs}
+
+
+class DecodeFailed(RuntimeError):
+    """The decode server failed, went away or stalled mid-stream: move the request to another one."""
+
+
+def _stream_error(err) -> Exception:
+    """Classify a decode-stream error. A gRPC status means the call itself failed (server gone, stream broken,
+    deadline): migrate. No status means the decode model answered with an error response: its verdict stands
+    (bad input), except "overloaded" refusals, which another server may accept."""
+    status = str(getattr(err, "status", lambda: "")() or "")
+    msg = str(getattr(err, "message", lambda: str(err))() or err)
+    if re.search(r"overloaded|queue full|budget", msg, re.I) and "INVALID_ARG" not in status:
+        return Overloaded(msg)
+    if not status or "INVALID_ARG" in status:
+        return RequestError(msg)
+    return DecodeFailed(f"{status}: {msg}")
 
 
 class DecodeStream:
@@ -58,9 +84,9 @@ class DecodeStream:
             try:
                 result, err = self.q.get(timeout=timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"decode server sent nothing for {timeout_s:.0f}s") from None
+                raise DecodeFailed(f"decode server sent nothing for {timeout_s:.1f}s") from None
             if err is not None:
-                raise RuntimeError(f"decode: {err}")
+                raise _stream_error(err)
             resp = result.get_response()
             final = resp.parameters.get("triton_final_response")
             final = bool(final and final.bool_param)
@@ -88,11 +114,23 @@ class TritonPythonModel:
     def initialize(self, args):
         man = read_manifest(engine_dir())
         self.cfg = LlamaConfig.from_dict(man["config"])
-        self.decode_urls = os.environ.get("HETSERVE_DECODE_URL", "127.0.0.1:9001").split(",")
         self.default_precision = os.environ.get("HETSERVE_DECODE_PRECISION", "fp32")
         self.step_timeout_s = float(os.environ.get("HETSERVE_DECODE_STEP_TIMEOUT_S", "30"))
-        self._rr = 0
+        self.max_migrations = int(os.environ.get("HETSERVE_MAX_MIGRATIONS", "3"))
+        REGISTRY.set("hetserve_breaker_state", 0)
+        self.breaker = CircuitBreaker.from_env(on_state=lambda st: REGISTRY.set("hetserve_breaker_state", st))
+        self.pool = DecodePool.from_env(on_change=self._pool_metrics)
+        self._pool_metrics(self.pool.snapshot())
         tokenizer()
+
+    def finalize(self):
+        self.pool.close()
+
+    @staticmethod
+    def _pool_metrics(members):
+        up = sum(1 for m in members.values() if m.healthy)
+        REGISTRY.set("hetserve_decode_servers", up, state="healthy")
+        REGISTRY.set("hetserve_decode_servers", len(members) - up, state="down")
 
     def _prompt_ids(self, r):
         ids = inp(r, "input_ids")
@@ -107,48 +145,90 @@ class TritonPythonModel:
             ins.append(pb_utils.Tensor("apply_chat_template", act))
         return [int(x) for x in _bls("preprocess", ins, ["input_ids"])["input_ids"].reshape(-1)]
 
+    def _prefill(self, r, rid, prompt, params, url):
+        pf_in = [pb_utils.Tensor("input_ids", np.asarray(prompt, np.int32)), str_tensor("request_id", [rid]),
+                 str_tensor("decode_url", [url])]
+        for name in ("transport", "kv_dtype"):
+            v = scalar(r, name, None, str)
+            if v:
+                pf_in.append(str_tensor(name, [v]))
+        pf_in += [pb_utils.Tensor(n, a) for n, a in sampling_tensors(params)]
+        return int(_bls("prefill", pf_in, ["first_token", "transfer_ok"])["first_token"].reshape(-1)[0])
+
+    def _decode(self, sender, streamer, rid, prompt, tokens, params, precision, lease):
+        """Stream from decode servers until the sequence ends; on failure migrate to another server.
+        lease[0] is the pool member in use (released by the caller)."""
+        tried = []
+        migrations = 0
+        while True:
+            url = lease[0]
+            ds = DecodeStream(url)
+            cancel = False
+            try:
+                ds.start(rid, prompt, list(tokens), params, precision)
+                for toks, reason in ds.responses(self.step_timeout_s):
+                    if getattr(sender, "is_cancelled", lambda: False)():
+                        cancel = True
+                        return
+                    tokens.extend(toks)
+                    if not streamer.push(toks, reason):
+                        cancel = reason is None or streamer.finish_reason != reason
+                        return
+                streamer.finish("stop")
+                return
+            except (DecodeFailed, Overloaded) as e:
+                cancel = True
+                overloaded = isinstance(e, Overloaded)
+                if not overloaded:
+                    self.pool.mark_down(url, str(e))
+                tried.append(url)
+                migrations += 1
+                if migrations > self.max_migrations:
+                    raise
+                self.pool.release(url)
+                lease[0] = None
+                try:
+                    lease[0] = self.pool.pick(exclude=tried)
+                except Exception:
+                    if overloaded:
+                        raise e from None
+                    raise
+                log.warning("request %s: %s; resuming after %d tokens on %s", rid, e, len(tokens), lease[0])
+                REGISTRY.inc("hetserve_migrations_total")
+            finally:
+                ds.close(cancel=cancel)
+
     def _handle(self, r, sender):
         tok = tokenizer()
         params = None
         streamer = None
+        lease = [None]  # the decode server in use
+        probe = False
         try:
             params = sampling_params(r)
             streamer = TextStreamer(sender, tok, params, self.cfg.eos_token_ids, model="llm")
             prompt = self._prompt_ids(r)
             check_prompt(prompt, self.cfg, params.max_tokens)
             precision = scalar(r, "decode_precision", None, str) or self.default_precision
-            url = self.decode_urls[self._rr % len(self.decode_urls)]
-            self._rr += 1
+            self.breaker.allow()  # raises BreakerOpen -> UNAVAILABLE at once
+            probe = True
+            lease[0] = self.pool.pick()
             rid = f"{uuid.uuid4().hex}"
-            pf_in = [pb_utils.Tensor("input_ids", np.asarray(prompt, np.int32)), str_tensor("request_id", [rid]),
-                     str_tensor("decode_url", [url])]
-            for name in ("transport", "kv_dtype"):
-                v = scalar(r, name, None, str)
-                if v:
-                    pf_in.append(str_tensor(name, [v]))
-            pf_in += [pb_utils.Tensor(n, a) for n, a in sampling_tensors(params)]
-            pf = _bls("prefill", pf_in, ["first_token", "transfer_ok"])
-            first = int(pf["first_token"].reshape(-1)[0])
+            first = self._prefill(r, rid, prompt, params, lease[0])
+            self.breaker.record(time.perf_counter() - streamer.t0)
+            probe = False
             stop_now = is_stop_token(first, params, self.cfg.eos_token_ids) or params.max_tokens == 1
             if not streamer.push([first], ("stop" if is_stop_token(first, params, self.cfg.eos_token_ids)
                                            else "length") if stop_now else None):
                 return
-            ds = DecodeStream(url)
-            cancel = False
-            try:
-                ds.start(rid, prompt, [first], params, precision)
-                for toks, reason in ds.responses(self.step_timeout_s):
-                    if getattr(sender, "is_cancelled", lambda: False)():
-                        cancel = True
-                        return
-                    if not streamer.push(toks, reason):
-                        cancel = reason is None or streamer.finish_reason != reason
-                        return
-            finally:
-                ds.close(cancel=cancel)
-            streamer.finish("stop")
+            self._decode(sender, streamer, rid, prompt, [first], params, precision, lease)
         except Exception as e:
             code = classify(e)
+            if isinstance(e, BreakerOpen):
+                REGISTRY.inc("hetserve_breaker_rejections_total")
+            elif not isinstance(e, RequestError):
+                self.breaker.record_failure(overloaded=isinstance(e, Overloaded))
+                probe = False
             if code == pb_utils.TritonError.INTERNAL:
                 log.exception("llm request failed")
             if streamer is not None and streamer.finish_reason is not None:
@@ -162,6 +242,11 @@ class TritonPythonModel:
                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception:
                 pass
+        finally:
+            if probe:
+                self.breaker.release_probe()
+            if lease[0] is not None:
+                self.pool.release(lease[0])
 
     def execute(self, requests):
         for r in requests:

@@ -17,6 +17,8 @@ useful, `model`. Names are part of the deployment contract (alerts, Grafana, tes
   hetserve_queue_depth             gauge      sequences waiting for admission
   hetserve_breaker_state           gauge      0 closed, 1 half-open, 2 open
   hetserve_snapshot_age_seconds    gauge      age of the oldest in-flight KV snapshot
+  hetserve_snapshot_restores_total, hetserve_migrations_total, hetserve_breaker_rejections_total  counters
+  hetserve_decode_servers          gauge      {state=healthy|down} decode servers in the orchestrator's pool
   hetserve_utilization_ratio       gauge      fraction of wall time the engine was busy (5 s window)
 
 Metric updates are IPC calls to the Triton core, so per-request/per-step granularity is fine, per-element is not.
@@ -58,6 +60,10 @@ _SPECS = {
     "hetserve_queue_depth": ("gauge", "Sequences waiting for decode admission", None),
     "hetserve_breaker_state": ("gauge", "Circuit breaker state: 0 closed, 1 half-open, 2 open", None),
     "hetserve_snapshot_age_seconds": ("gauge", "Age of the oldest in-flight KV snapshot (s)", None),
+    "hetserve_snapshot_restores_total": ("counter", "Resumed sequences whose KV came from a snapshot", None),
+    "hetserve_migrations_total": ("counter", "Streams moved to another decode server mid-generation", None),
+    "hetserve_breaker_rejections_total": ("counter", "Requests refused at once by the circuit breaker", None),
+    "hetserve_decode_servers": ("gauge", "Decode servers in the pool by health", None),
     "hetserve_utilization_ratio": ("gauge", "Fraction of wall time the engine was busy (5 s window)", None),
 }
 

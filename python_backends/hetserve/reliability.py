@@ -1,0 +1,314 @@
+"""Control-plane reliability: the decode-server pool (health checks + load-aware routing) and the circuit breaker.
+
+Both live in the orchestrator (`llm` on the prefill server) and are plain Python, so they are unit-testable.
+
+DecodePool
+  * members: HETSERVE_DECODE_URL (comma list) plus, when HETSERVE_DECODE_REGISTRY names a file, the URLs in it
+    (one per line or a JSON list; re-read at every health round, which is how the autoscaler adds/removes
+    decode servers; on Kubernetes the same role is played by a headless Service's endpoints).
+  * every `interval_s` (default 5 s): Triton server-ready + model-ready + a canary inference (one engine step on
+    the decode server, with a deadline), in parallel across members. Failing the check marks a member down;
+    passing it brings it back. A request that fails on a member also marks it down at once (passive check).
+  * pick(): the healthy member with the fewest in-flight streams (round-robin among equals), skipping `exclude`.
+
+CircuitBreaker
+  closed -> open when the p99 of recent latencies (TTFT) exceeds the threshold (default 500 ms) over at least
+  `min_samples` requests, or after `overload_trips` consecutive "queue full" refusals. While open every request is
+  refused at once (UNAVAILABLE + reason + retry-after). After `open_s` it goes half-open and lets `probes`
+  requests through: if they are fast it closes (window cleared), otherwise it re-opens.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Optional, Sequence
+
+import numpy as np
+
+log = logging.getLogger("hetserve.reliability")
+
+CLOSED, HALF_OPEN, OPEN = 0, 1, 2
+STATE_NAMES = {CLOSED: "closed", HALF_OPEN: "half-open", OPEN: "open"}
+
+
+class BreakerOpen(RuntimeError):
+    """Refused at once by the circuit breaker (maps to UNAVAILABLE)."""
+
+
+class NoDecodeServer(RuntimeError):
+    """No healthy decode server (maps to UNAVAILABLE)."""
+
+
+class CircuitBreaker:
+    def __init__(self, p99_threshold_s: float = 0.5, window_s: float = 30.0, min_samples: int = 20,
+                 open_s: float = 5.0, probes: int = 1, overload_trips: int = 3,
+                 clock: Callable[[], float] = time.monotonic, on_state: Optional[Callable[[int], None]] = None):
+        self.threshold = p99_threshold_s
+        self.window_s = window_s
+        self.min_samples = min_samples
+        self.open_s = open_s
+        self.probes = probes
+        self.overload_trips = overload_trips
+        self.clock = clock
+        self.on_state = on_state
+        self.state = CLOSED
+        self.reason = ""
+        self._samples: Deque = collections.deque()  # (t, latency_s)
+        self._opened_at = 0.0
+        self._probes_left = 0
+        self._overloads = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, **kw) -> "CircuitBreaker":
+        e = os.environ.get
+        return cls(p99_threshold_s=float(e("HETSERVE_BREAKER_P99_MS", "500")) / 1e3,
+                   window_s=float(e("HETSERVE_BREAKER_WINDOW_S", "30")),
+                   min_samples=int(e("HETSERVE_BREAKER_MIN_SAMPLES", "20")),
+                   open_s=float(e("HETSERVE_BREAKER_OPEN_S", "5")),
+                   overload_trips=int(e("HETSERVE_BREAKER_OVERLOAD_TRIPS", "3")), **kw)
+
+    def _set(self, state: int, reason: str = ""):
+        if state != self.state:
+            log.warning("circuit breaker %s -> %s %s", STATE_NAMES[self.state], STATE_NAMES[state], reason)
+        self.state, self.reason = state, reason
+        if state == OPEN:
+            self._opened_at = self.clock()
+        if self.on_state:
+            try:
+                self.on_state(state)
+            except Exception:
+                pass
+
+    def p99(self) -> Optional[float]:
+        now = self.clock()
+        while self._samples and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+        if len(self._samples) < self.min_samples:
+            return None
+        return float(np.percentile([s for _, s in self._samples], 99))
+
+    def allow(self) -> None:
+        """Raise BreakerOpen when the request must be refused now."""
+        with self._lock:
+            if self.state == OPEN:
+                left = self.open_s - (self.clock() - self._opened_at)
+                if left > 0:
+                    raise BreakerOpen(f"circuit breaker open ({self.reason}); retry in {left:.1f}s")
+                self._set(HALF_OPEN, "probing")
+                self._probes_left = self.probes
+            if self.state == HALF_OPEN:
+                if self._probes_left <= 0:
+                    raise BreakerOpen("circuit breaker half-open: a probe request is in flight; retry shortly")
+                self._probes_left -= 1
+
+    def record(self, latency_s: float) -> None:
+        """A request got its first token after `latency_s`."""
+        with self._lock:
+            self._overloads = 0
+            if self.state == HALF_OPEN:
+                if latency_s <= self.threshold:
+                    self._samples.clear()
+                    self._set(CLOSED, "probe succeeded")
+                else:
+                    self._set(OPEN, f"probe latency {latency_s * 1e3:.0f} ms > {self.threshold * 1e3:.0f} ms")
+                return
+            self._samples.append((self.clock(), latency_s))
+            p = self.p99()
+            if self.state == CLOSED and p is not None and p > self.threshold:
+                self._set(OPEN, f"p99 latency {p * 1e3:.0f} ms > {self.threshold * 1e3:.0f} ms over the last "
+                                f"{len(self._samples)} requests")
+
+    def record_failure(self, overloaded: bool) -> None:
+        """A request failed; `overloaded` when the decode side refused it because its queue was full."""
+        with self._lock:
+            if self.state == HALF_OPEN:
+                self._set(OPEN, "probe failed")
+                return
+            if overloaded:
+                self._overloads += 1
+                if self.state == CLOSED and self._overloads >= self.overload_trips:
+                    self._set(OPEN, f"decode queues full ({self._overloads} refusals in a row)")
+
+    def release_probe(self) -> None:
+        """A half-open probe ended without a latency sample or failure (e.g. client cancelled)."""
+        with self._lock:
+            if self.state == HALF_OPEN:
+                self._probes_left = max(self._probes_left, 1)
+
+
+@dataclass
+class Member:
+    url: str
+    healthy: bool = True
+    inflight: int = 0
+    last_check: float = 0.0
+    last_error: str = ""
+    canary_ms: float = 0.0
+    failures: int = 0
+
+
+def _read_registry(path: Optional[str]) -> List[str]:
+    if not path or not os.path.exists(path):
+        return []
+    try:
+        text = open(path).read().strip()
+    except OSError:
+        return []
+    if not text:
+        return []
+    if text.startswith("["):
+        try:
+            return [str(u) for u in json.loads(text)]
+        except ValueError:
+            return []
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def canary_check(url: str, timeout_s: float) -> float:
+    """Triton ready + decode model ready + one canary step on the decode engine (the model is decoupled, so
+    over a gRPC stream); returns the canary round trip in ms. Raises on failure or after `timeout_s`."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from .client import build_inputs
+
+    c = grpcclient.InferenceServerClient(url)
+    try:
+        if not c.is_server_ready(client_timeout=timeout_s):
+            raise RuntimeError("server not ready")
+        if not c.is_model_ready("decode", client_timeout=timeout_s):
+            raise RuntimeError("model 'decode' not ready")
+        q: "queue.Queue" = queue.Queue()
+        t0 = time.perf_counter()
+        c.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=timeout_s)
+        c.async_stream_infer("decode", build_inputs(None, op="canary"), request_id="canary")
+        try:
+            result, err = q.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"canary got no answer within {timeout_s:.1f}s") from None
+        if err is not None:
+            raise RuntimeError(f"canary failed: {err}")
+        if result.as_numpy("token_ids") is None:
+            raise RuntimeError("canary returned no token")
+        return (time.perf_counter() - t0) * 1e3
+    finally:
+        try:
+            c.stop_stream(cancel_requests=True)
+        except Exception:
+            pass
+        c.close()
+
+
+class DecodePool:
+    def __init__(self, urls: Sequence[str], registry: Optional[str] = None, interval_s: float = 5.0,
+                 timeout_s: float = 2.0, check: Callable[[str, float], float] = canary_check,
+                 start: bool = True, on_change: Optional[Callable[[Dict[str, Member]], None]] = None):
+        self.static = [u for u in urls if u]
+        self.registry = registry
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.check = check
+        self.on_change = on_change
+        self.members: Dict[str, Member] = {}
+        self._lock = threading.Lock()
+        self._rr = 0
+        self._stop = threading.Event()
+        self._exec = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="health")
+        self._sync_members()
+        self._thread = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="decode-health", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def from_env(cls, **kw) -> "DecodePool":
+        e = os.environ.get
+        return cls(e("HETSERVE_DECODE_URL", "127.0.0.1:9001").split(","), registry=e("HETSERVE_DECODE_REGISTRY"),
+                   interval_s=float(e("HETSERVE_HEALTH_INTERVAL_S", "5")),
+                   timeout_s=float(e("HETSERVE_HEALTH_TIMEOUT_S", "2")), **kw)
+
+    def _sync_members(self):
+        urls = list(dict.fromkeys(self.static + _read_registry(self.registry)))
+        with self._lock:
+            for u in urls:
+                self.members.setdefault(u, Member(u))
+            for u in [u for u in self.members if u not in urls]:
+                del self.members[u]
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.check_all()
+            except Exception:
+                log.exception("health round failed")
+            self._stop.wait(self.interval_s)
+
+    def check_all(self) -> Dict[str, Member]:
+        self._sync_members()
+        with self._lock:
+            urls = list(self.members)
+        futs = {u: self._exec.submit(self.check, u, self.timeout_s) for u in urls}
+        changed = False
+        for u, f in futs.items():
+            try:
+                ms = f.result(timeout=self.timeout_s * 3 + 1)
+                ok, err = True, ""
+            except Exception as e:  # includes a hung server (deadline exceeded)
+                ms, ok, err = 0.0, False, f"{type(e).__name__}: {e}"[:300]
+            with self._lock:
+                m = self.members.get(u)
+                if m is None:
+                    continue
+                if m.healthy != ok:
+                    changed = True
+                    log.warning("decode server %s is %s %s", u, "healthy" if ok else "DOWN", err)
+                m.healthy, m.last_error, m.canary_ms, m.last_check = ok, err, ms, time.time()
+                m.failures = 0 if ok else m.failures + 1
+        if changed and self.on_change:
+            self.on_change(self.snapshot())
+        return self.snapshot()
+
+    def mark_down(self, url: str, why: str):
+        with self._lock:
+            m = self.members.get(url)
+            if m is not None and m.healthy:
+                log.warning("decode server %s marked DOWN: %s", url, why)
+                m.healthy, m.last_error = False, why[:300]
+                m.failures += 1
+        if self.on_change:
+            self.on_change(self.snapshot())
+
+    def pick(self, exclude: Sequence[str] = ()) -> str:
+        with self._lock:
+            cands = [m for m in self.members.values() if m.healthy and m.url not in exclude]
+            if not cands:
+                downs = "; ".join(f"{m.url}: {m.last_error or 'excluded'}" for m in self.members.values())
+                raise NoDecodeServer(f"no healthy decode server ({downs or 'none configured'})")
+            low = min(m.inflight for m in cands)
+            best = [m for m in cands if m.inflight == low]
+            m = best[self._rr % len(best)]
+            self._rr += 1
+            m.inflight += 1
+            return m.url
+
+    def release(self, url: str):
+        with self._lock:
+            m = self.members.get(url)
+            if m is not None and m.inflight > 0:
+                m.inflight -= 1
+
+    def snapshot(self) -> Dict[str, Member]:
+        with self._lock:
+            return {u: Member(**vars(m)) for u, m in self.members.items()}
+
+    def close(self):
+        self._stop.set()
+        self._exec.shutdown(wait=False, cancel_futures=True)
