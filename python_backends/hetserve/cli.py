@@ -1,4 +1,4 @@
-"""hetserve command line: build | up | serve | generate | plan."""
+"""hetserve command line: build | up | serve | generate | doctor | plan."""
 from __future__ import annotations
 
 import argparse
@@ -99,6 +99,12 @@ def cmd_generate(args) -> int:
     return _print_stream(args.url, args.prompt, args.model, **_gen_params(args))
 
 
+def cmd_doctor(args) -> int:
+    from .doctor import main
+
+    return main(args)
+
+
 def _add_gen(p):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float)
@@ -143,6 +149,22 @@ def main(argv=None) -> int:
     g.add_argument("--model", default="llm", choices=["llm", "aggregated"])
     _add_gen(g)
     g.set_defaults(fn=cmd_generate)
+    d = sub.add_parser("doctor", help="preflight: precision support, versions, latency, link bandwidth, KV checks")
+    d.add_argument("--prefill-url", default="127.0.0.1:8001", help="prefill server gRPC host:port")
+    d.add_argument("--decode-url", default="127.0.0.1:9001", help="decode server gRPC host:port")
+    d.add_argument("--link-url", help="decode server as the prefill server reaches it (default: --decode-url)")
+    d.add_argument("--json", action="store_true", help="print the report as JSON")
+    d.add_argument("--sizes", type=int, nargs="+", default=[128, 512, 2048], help="link probe sizes (KV tokens)")
+    d.add_argument("--repeats", type=int, default=3, help="timed transfers per size and transport")
+    d.add_argument("--transports", nargs="+", choices=["grpc", "shm"], default=["grpc", "shm"])
+    d.add_argument("--probe-dtype", choices=["fp32", "fp16", "int8"], default="fp16", help="link probe KV dtype")
+    d.add_argument("--kv-dtypes", nargs="+", choices=["fp32", "fp16", "int8"], default=["fp32", "fp16", "int8"],
+                   help="wire dtypes of the KV correctness set")
+    d.add_argument("--prompt", action="append", help="KV correctness prompt (repeatable; default: 3 built-in)")
+    d.add_argument("--ping", type=int, default=20, help="round trips per latency measurement")
+    d.add_argument("--timeout", type=float, default=10.0, help="seconds per network call")
+    d.add_argument("--probe-compat-hash", help="send probes claiming this compat hash (decode must refuse them)")
+    d.set_defaults(fn=cmd_doctor)
     try:
         from .planner import cli as planner_cli
 

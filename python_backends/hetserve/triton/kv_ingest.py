@@ -2,6 +2,8 @@
 
 Receives what a KVSender sent over gRPC or system shared memory (Triton resolves shm inputs before we run).
 A mismatch (model hash, layout, dtype, shape, size, crc32) is refused with INVALID_ARG and the reason.
+`hetserve doctor` (doctor.py): op=ping answers at once; transfers whose request id starts with
+doctor.PROBE_PREFIX (link probes) are verified the same way and then discarded, never reaching decode.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
+from ..doctor import PROBE_PREFIX
 from ..engines.manifest import read_manifest
 from ..kv import wire
 from .common import RequestError, engine_dir, inp, respond_each, scalar, str_tensor
@@ -40,6 +43,11 @@ class TritonPythonModel:
         declare_transfer_failures(("grpc", "shm"))
 
     def _one(self, r):
+        op = scalar(r, "op", "ingest", str)
+        if op == "ping":
+            return pb_utils.InferenceResponse([pb_utils.Tensor("kv_tokens", np.array([0], np.int32))])
+        if op != "ingest":
+            raise RequestError(f"unknown op {op!r}; use 'ingest' or 'ping'")
         rid = scalar(r, "request_id", None, str)
         if not rid:
             raise RequestError("missing 'request_id'")
@@ -52,9 +60,13 @@ class TritonPythonModel:
         try:
             wire.verify(hdr, payload, self.compat, self.shape)
         except wire.KVWireError as e:
+            if rid.startswith(PROBE_PREFIX):  # a deliberate doctor probe, not a transfer failure
+                raise RequestError(f"KV refused for request {rid}: {e}") from None
             REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=_transport_of(r),
                          reason=transfer_failure_reason(e))
             raise RequestError(f"KV refused for request {rid}: {e}") from None
+        if rid.startswith(PROBE_PREFIX):  # link probe: verified, discarded
+            return pb_utils.InferenceResponse([pb_utils.Tensor("kv_tokens", np.array([hdr.num_tokens], np.int32))])
         req = pb_utils.InferenceRequest(
             model_name="decode",
             inputs=[str_tensor("op", ["ingest"]), str_tensor("request_id", [rid]),

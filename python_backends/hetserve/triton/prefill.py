@@ -21,8 +21,8 @@ from ..kv import wire
 from ..kv.prefix import PrefixCache
 from ..kv.transport import TRANSPORTS, KVSender
 from ..sampling import sample
-from .common import (RequestError, check_prompt, engine_dir, inp, respond_each, sampling_params, scalar,
-                     str_tensor)
+from .common import (RequestError, check_prompt, engine_dir, inp, json_bytes, respond_each, sampling_params,
+                     scalar, str_tensor)
 from .metrics import REGISTRY, BusyMeter, Poller, declare_transfer_failures, gauges, transfer_failure_reason
 
 log = logging.getLogger("hetserve.prefill")
@@ -84,7 +84,25 @@ class TritonPythonModel:
         self.prefix.insert(ids, k, v)
         return logits, k, v, hit
 
+    def _doctor(self, op, r):
+        """`hetserve doctor` ops (doctor.py): info | ping | ping_decode | probe_link | kv_check -> doctor_json."""
+        from .. import doctor
+
+        ids_a = inp(r, "input_ids")
+        ids = [] if ids_a is None else [int(x) for x in ids_a.reshape(-1)]
+        try:
+            out = doctor.prefill_op(self, op, doctor.parse_args_json(scalar(r, "doctor_args", "", str)),
+                                    scalar(r, "decode_url", None, str) or self.default_url,
+                                    scalar(r, "transport", None, str) or self.default_transport,
+                                    scalar(r, "kv_dtype", None, str) or self.default_kv_dtype, ids)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return pb_utils.InferenceResponse([str_tensor("doctor_json", [json_bytes(out)])])
+
     def _one(self, r):
+        op = scalar(r, "op", "prefill", str)
+        if op != "prefill":
+            return self._doctor(op, r)
         ids_a = inp(r, "input_ids")
         if ids_a is None or ids_a.size == 0:
             raise RequestError("empty prompt: 'input_ids' has no tokens")
