@@ -63,3 +63,43 @@ def topology(engine_dir):
     topo.start()
     yield topo
     topo.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server of our own on a free port (no persistence); skipped only if the binary is missing."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    exe = shutil.which("redis-server")
+    if not exe:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {port} did not start")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

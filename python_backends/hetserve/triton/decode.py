@@ -19,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..engines.runtime import Engine
 from ..kv import wire
+from ..kv.blocks import BlockPool
 from ..kv.snapshot import Snapshotter
 from ..scheduler import DecodeScheduler, Sequence
 from ..sampling import is_stop_token
@@ -76,7 +77,8 @@ class TritonPythonModel:
         self.sched = DecodeScheduler(
             self.engines, eos_ids=self.cfg.eos_token_ids,
             max_batch=int(os.environ.get("HETSERVE_MAX_BATCH", "16")),
-            kv_budget_bytes=int(float(os.environ.get("HETSERVE_KV_BUDGET_MB", "2048")) * (1 << 20)),
+            pool=BlockPool.from_env(self.cfg),  # HETSERVE_KV_* and HETSERVE_REDIS_URL (README)
+            idle_demote_s=float(os.environ.get("HETSERVE_KV_IDLE_DEMOTE_S", "0")),
             max_queue=int(os.environ.get("HETSERVE_MAX_QUEUE", "64")))
         self.snapshots = Snapshotter.from_env(self.compat)
         self.sched.snapshotter = self.snapshots
@@ -174,7 +176,7 @@ class TritonPythonModel:
 
             cancelled = getattr(sender, "is_cancelled", lambda: False)
             self.sched.submit(Sequence(rid, len(prompt), list(out_ids), params, prec, on_tokens, cancelled,
-                                       k=k, v=v))
+                                       k=k, v=v, prompt_ids=list(prompt)))
         except Exception as e:
             if classify(e) == pb_utils.TritonError.INTERNAL:
                 log.exception("decode admission failed")

@@ -1,0 +1,798 @@
+"""Paged KV block pool with a tier stack: device -> host -> local disk -> Redis.
+
+A block holds K and V of `block_tokens` consecutive tokens for every layer, as one array [2, L, KVH, block, D]
+(index 0 = K, 1 = V). Each sequence owns a block table (block ids in token order) and a token count. Blocks
+carry a refcount (forked sequences share full blocks) and a pin count (a block of an *active* sequence is
+pinned: it stays on the device tier and is never moved).
+
+Tiers, top to bottom, each with a capacity in blocks:
+  device  process-memory numpy arena (a torch CUDA arena when CUDA is available)
+  host    a second arena (page-locked when CUDA is available)
+  disk    one memory-mapped file under a directory
+  redis   one key per block on a real redis-server (namespaced, with a TTL)
+When a tier is full, making room demotes its least recently used unpinned blocks one tier down (cascading);
+`activate` promotes a sequence back to the device tier and pins it. Every move copies the bytes verbatim, so
+round trips through any tier are bit-exact. All public methods are thread-safe.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+TIER_NAMES = ("device", "host", "disk", "redis")
+
+
+class PoolFull(RuntimeError):
+    """No tier can take the blocks (device pinned full and nowhere to demote to)."""
+
+
+class KVLost(RuntimeError):
+    """A block is gone from its tier (Redis TTL expiry / eviction, storage error)."""
+
+
+# ---- tiers ----------------------------------------------------------------------------------------
+class Tier:
+    """Storage for fixed-shape blocks addressed by integer slots. `capacity` None = unbounded."""
+
+    def __init__(self, name: str, capacity: Optional[int], block_shape: Tuple[int, ...], dtype):
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"tier {name}: negative capacity")
+        self.name, self.capacity = name, capacity
+        self.block_shape, self.dtype = tuple(block_shape), np.dtype(dtype)
+        self.used = 0
+
+    @property
+    def free(self) -> float:
+        return math.inf if self.capacity is None else self.capacity - self.used
+
+    def alloc(self, n: int) -> List[int]:
+        raise NotImplementedError
+
+    def release(self, slots: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def write(self, slots: Sequence[int], data: np.ndarray) -> None:
+        """data: [len(slots), *block_shape]."""
+        raise NotImplementedError
+
+    def read(self, slots: Sequence[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _SlotTier(Tier):
+    """A tier with a fixed number of slots and a free list."""
+
+    def __init__(self, name, capacity, block_shape, dtype):
+        super().__init__(name, int(capacity), block_shape, dtype)
+        self._free = list(range(self.capacity - 1, -1, -1))
+
+    def alloc(self, n):
+        if n > len(self._free):
+            raise PoolFull(f"{self.name} tier: {n} blocks wanted, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        self.used += n
+        return out
+
+    def release(self, slots):
+        self._free.extend(slots)
+        self.used -= len(slots)
+
+
+class ArenaTier(_SlotTier):
+    """Blocks in one preallocated numpy array [capacity, *block_shape] (process memory, a memmap, or a numpy
+    view of pinned host memory). np.zeros pages are committed lazily, so a large budget costs nothing unused."""
+
+    def __init__(self, name, capacity, block_shape, dtype, array: Optional[np.ndarray] = None):
+        super().__init__(name, capacity, block_shape, dtype)
+        self.a = np.zeros((self.capacity, *self.block_shape), self.dtype) if array is None else array
+
+    def write(self, slots, data):
+        self.a[np.asarray(slots, np.int64)] = data
+
+    def read(self, slots):
+        return np.array(self.a[np.asarray(slots, np.int64)])
+
+    def write_tokens(self, slots, offsets, k: np.ndarray, v: np.ndarray) -> None:
+        """One token per (slot, offset): k, v [n, L, KVH, D]."""
+        s, o = np.asarray(slots, np.int64), np.asarray(offsets, np.int64)
+        self.a[s, 0, :, :, o] = k
+        self.a[s, 1, :, :, o] = v
+
+
+class TorchArenaTier(_SlotTier):
+    """Blocks in one torch tensor (a CUDA device arena; any torch device works). Same API as ArenaTier."""
+
+    def __init__(self, name, capacity, block_shape, dtype, device: str = "cuda"):
+        import torch
+
+        super().__init__(name, capacity, block_shape, dtype)
+        self._torch = torch
+        self.device = torch.device(device)
+        tdt = torch.from_numpy(np.zeros(0, self.dtype)).dtype
+        self.t = torch.zeros((self.capacity, *self.block_shape), dtype=tdt, device=self.device)
+
+    def _idx(self, slots):
+        return self._torch.as_tensor(np.asarray(slots, np.int64), device=self.device)
+
+    def _dev(self, x: np.ndarray):
+        return self._torch.from_numpy(np.ascontiguousarray(x, self.dtype)).to(self.device)
+
+    def write(self, slots, data):
+        self.t[self._idx(slots)] = self._dev(data)
+
+    def read(self, slots):
+        return self.t[self._idx(slots)].cpu().numpy()
+
+    def write_tokens(self, slots, offsets, k, v):
+        s, o = self._idx(slots), self._idx(offsets)
+        self.t[s, 0, :, :, o] = self._dev(k)
+        self.t[s, 1, :, :, o] = self._dev(v)
+
+
+class DiskTier(ArenaTier):
+    """Blocks in one memory-mapped file under `directory` (sparse until written); the file is removed on close."""
+
+    def __init__(self, name, capacity, block_shape, dtype, directory: str):
+        os.makedirs(directory, exist_ok=True)
+        fd, self.path = tempfile.mkstemp(prefix=f"hetserve-kv-{os.getpid()}-", suffix=".blocks", dir=directory)
+        os.close(fd)
+        shape = (int(capacity), *block_shape)
+        super().__init__(name, capacity, block_shape, dtype,
+                         array=np.memmap(self.path, dtype=np.dtype(dtype), mode="w+", shape=shape))
+
+    def close(self):
+        self.a = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class RedisTier(Tier):
+    """One Redis string per block, key `<namespace>:<slot>`, written with a TTL (seconds). Unbounded when
+    capacity is None. Connection failures surface as PoolFull on write and KVLost on read."""
+
+    def __init__(self, name, capacity, block_shape, dtype, url: str, ttl_s: int = 3600,
+                 namespace: Optional[str] = None):
+        import redis
+
+        super().__init__(name, capacity, block_shape, dtype)
+        self._redis = redis
+        self.url, self.ttl_s = url, int(ttl_s)
+        self.ns = namespace or f"hetserve:kv:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.nbytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
+        self.r = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+        try:
+            self.r.ping()
+        except redis.RedisError as e:
+            raise ConnectionError(f"KV redis tier: cannot reach {url}: {e}") from e
+        self._next = itertools.count()
+        self._live: set = set()
+
+    def key(self, slot: int) -> str:
+        return f"{self.ns}:{slot}"
+
+    def alloc(self, n):
+        if n > self.free:
+            raise PoolFull(f"{self.name} tier: {n} blocks wanted, {self.free} free")
+        out = [next(self._next) for _ in range(n)]
+        self._live.update(out)
+        self.used += n
+        return out
+
+    def release(self, slots):
+        slots = [s for s in slots if s in self._live]
+        self._live.difference_update(slots)
+        self.used -= len(slots)
+        if slots:
+            try:
+                self.r.delete(*[self.key(s) for s in slots])
+            except self._redis.RedisError:
+                pass  # the TTL reclaims them
+
+    def write(self, slots, data):
+        data = np.ascontiguousarray(data, self.dtype)
+        try:
+            with self.r.pipeline(transaction=False) as p:
+                for s, blk in zip(slots, data):
+                    p.set(self.key(s), blk.tobytes(), ex=self.ttl_s)
+                p.execute()
+        except self._redis.RedisError as e:
+            raise PoolFull(f"{self.name} tier unavailable: {e}") from e
+
+    def read(self, slots):
+        try:
+            with self.r.pipeline(transaction=False) as p:
+                for s in slots:
+                    p.get(self.key(s))
+                vals = p.execute()
+        except self._redis.RedisError as e:
+            raise KVLost(f"{self.name} tier unavailable: {e}") from e
+        out = np.empty((len(slots), *self.block_shape), self.dtype)
+        for i, (s, b) in enumerate(zip(slots, vals)):
+            if b is None or len(b) != self.nbytes:
+                raise KVLost(f"{self.name} tier: block {self.key(s)} " + ("expired or evicted" if b is None
+                                                                          else f"has {len(b)} bytes"))
+            out[i] = np.frombuffer(b, self.dtype).reshape(self.block_shape)
+        return out
+
+    def close(self):
+        self.release(list(self._live))
+        try:
+            self.r.close()
+        except Exception:
+            pass
+
+
+# ---- the pool -------------------------------------------------------------------------------------
+@dataclass
+class _Block:
+    tier: int
+    slot: int
+    ref: int = 1
+    pins: int = 0
+
+
+@dataclass
+class _Seq:
+    blocks: List[int] = field(default_factory=list)
+    n_tokens: int = 0
+    active: bool = False
+    touched: float = field(default_factory=time.monotonic)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+class BlockPool:
+    """Paged KV pool over a tier stack (tiers[0] is the device tier and must support write_tokens)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, tiers: List[Tier],
+                 block_tokens: int = 16, dtype=np.float32):
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+        if not tiers or not hasattr(tiers[0], "write_tokens"):
+            raise ValueError("the first tier must be a device arena")
+        self.L, self.H, self.D, self.bt = num_layers, num_kv_heads, head_dim, int(block_tokens)
+        self.dtype = np.dtype(dtype)
+        self.block_shape = (2, self.L, self.H, self.bt, self.D)
+        self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
+        for t in tiers:
+            if t.block_shape != self.block_shape or t.dtype != self.dtype:
+                raise ValueError(f"tier {t.name}: block shape/dtype differ from the pool's")
+        self.tiers = tiers
+        self._blocks: Dict[int, _Block] = {}
+        self._lru: List["collections.OrderedDict[int, None]"] = [collections.OrderedDict() for _ in tiers]
+        self._seqs: Dict[Hashable, _Seq] = {}
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self.counters = {"demoted_blocks": 0, "promoted_blocks": 0, "lost_blocks": 0}
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def create(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, device_bytes: int,
+               block_tokens: int = 16, host_bytes: int = 0, disk_dir: Optional[str] = None, disk_bytes: int = 0,
+               redis_url: Optional[str] = None, redis_bytes: Optional[int] = None, redis_ttl_s: int = 3600,
+               device: str = "auto", dtype=np.float32) -> "BlockPool":
+        """Tiers sized in bytes (rounded down to whole blocks); a tier with 0 bytes / no dir / no url is left out.
+        device: 'auto' (CUDA arena when torch sees a GPU), 'cpu', or a torch device string such as 'cuda:0'."""
+        shape = (2, num_layers, num_kv_heads, int(block_tokens), head_dim)
+        bb = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        n_dev = int(device_bytes) // bb
+        if n_dev < 1:
+            raise ValueError(f"KV device budget {int(device_bytes)} B is smaller than one block ({bb} B = "
+                             f"{block_tokens} tokens)")
+        cuda = _cuda_available() if device == "auto" else device.startswith("cuda")
+        tiers: List[Tier] = []
+        try:
+            if not cuda:
+                tiers.append(ArenaTier("device", n_dev, shape, dtype))
+            else:
+                tiers.append(TorchArenaTier("device", n_dev, shape, dtype, "cuda" if device == "auto" else device))
+            if host_bytes and int(host_bytes) // bb:
+                n = int(host_bytes) // bb
+                arr = None
+                if cuda:
+                    import torch
+
+                    tdt = torch.from_numpy(np.zeros(0, dtype)).dtype
+                    arr = torch.zeros((n, *shape), dtype=tdt, pin_memory=True).numpy()
+                tiers.append(ArenaTier("host", n, shape, dtype, array=arr))
+            if disk_dir and int(disk_bytes) // bb:
+                tiers.append(DiskTier("disk", int(disk_bytes) // bb, shape, dtype, disk_dir))
+            if redis_url:
+                cap = None if redis_bytes is None else max(int(redis_bytes) // bb, 0)
+                tiers.append(RedisTier("redis", cap, shape, dtype, redis_url, ttl_s=redis_ttl_s))
+        except Exception:
+            for t in tiers:
+                t.close()
+            raise
+        return cls(num_layers, num_kv_heads, head_dim, tiers, block_tokens, dtype)
+
+    @classmethod
+    def from_env(cls, cfg, env=None) -> "BlockPool":
+        """Pool for a LlamaConfig from env vars (sizes in MiB, fractions allowed):
+        HETSERVE_KV_BUDGET_MB (device tier, default 2048), HETSERVE_KV_BLOCK_TOKENS (16),
+        HETSERVE_KV_HOST_MB (1024), HETSERVE_KV_DISK_DIR (unset: no disk tier), HETSERVE_KV_DISK_MB (4096),
+        HETSERVE_REDIS_URL (unset: no redis tier), HETSERVE_KV_REDIS_MB (unbounded), HETSERVE_KV_REDIS_TTL_S
+        (3600), HETSERVE_KV_DEVICE (auto|cpu|cuda[:n])."""
+        env = os.environ if env is None else env
+
+        def mb(name, default):
+            v = env.get(name, default)
+            return None if v in (None, "") else int(float(v) * (1 << 20))
+
+        return cls.create(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                          device_bytes=mb("HETSERVE_KV_BUDGET_MB", "2048"),
+                          block_tokens=int(env.get("HETSERVE_KV_BLOCK_TOKENS", "16")),
+                          host_bytes=mb("HETSERVE_KV_HOST_MB", "1024") or 0,
+                          disk_dir=env.get("HETSERVE_KV_DISK_DIR") or None,
+                          disk_bytes=mb("HETSERVE_KV_DISK_MB", "4096") or 0,
+                          redis_url=env.get("HETSERVE_REDIS_URL") or None,
+                          redis_bytes=mb("HETSERVE_KV_REDIS_MB", None),
+                          redis_ttl_s=int(env.get("HETSERVE_KV_REDIS_TTL_S", "3600")),
+                          device=env.get("HETSERVE_KV_DEVICE", "auto"))
+
+    def close(self) -> None:
+        with self._lock:
+            for t in self.tiers:
+                t.close()
+            self._seqs.clear()
+            self._blocks.clear()
+
+    # ---- queries --------------------------------------------------------------------------------
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-int(n_tokens) // self.bt)
+
+    def capacity(self, tier: str = "device") -> Optional[int]:
+        return self.tiers[self._tier_index(tier)].capacity
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def num_tokens(self, seq_id) -> int:
+        return self._seq(seq_id).n_tokens
+
+    def placement(self, seq_id) -> Dict[str, int]:
+        """Blocks of one sequence per tier name."""
+        with self._lock:
+            c = collections.Counter(self.tiers[self._blocks[b].tier].name for b in self._seq(seq_id).blocks)
+            return dict(c)
+
+    def stats(self) -> dict:
+        """Occupancy for metrics: tier_blocks / tier_capacity per tier name, plus totals and move counters."""
+        with self._lock:
+            pinned = sum(1 for b in self._blocks.values() if b.pins)
+            return {"block_tokens": self.bt, "block_bytes": self.block_bytes,
+                    "tier_blocks": {t.name: t.used for t in self.tiers},
+                    "tier_capacity": {t.name: t.capacity for t in self.tiers},
+                    "used_blocks": len(self._blocks), "pinned_blocks": pinned,
+                    "sequences": len(self._seqs), "active_sequences": sum(s.active for s in self._seqs.values()),
+                    **self.counters}
+
+    # ---- sequences ------------------------------------------------------------------------------
+    def add(self, seq_id, k: np.ndarray, v: np.ndarray) -> None:
+        """New (inactive) sequence holding KV k, v [L, KVH, T, D]; blocks go to the highest tiers with free
+        slots (nothing is evicted for it). Raises PoolFull when all tiers together lack room."""
+        if k.shape != v.shape or k.ndim != 4 or k.shape[:2] != (self.L, self.H) or k.shape[3] != self.D:
+            raise ValueError(f"KV shape {k.shape}/{v.shape} does not match pool layout [L={self.L}, "
+                             f"KVH={self.H}, T, D={self.D}]")
+        T = k.shape[2]
+        nb = self.blocks_for(T)
+        with self._lock:
+            if seq_id in self._seqs:
+                raise ValueError(f"sequence {seq_id!r} already in the KV pool")
+            if sum(t.free for t in self.tiers) < nb:
+                raise PoolFull(f"KV pool full: {nb} blocks needed, "
+                               f"{sum(t.free for t in self.tiers)} free over all tiers")
+            data = self._to_blocks(k, v, nb)
+            placed: List[Tuple[int, List[int]]] = []
+            i = 0
+            try:
+                for ti, t in enumerate(self.tiers):
+                    take = int(min(nb - i, t.free))
+                    if take <= 0:
+                        continue
+                    slots = t.alloc(take)
+                    placed.append((ti, slots))
+                    t.write(slots, data[i:i + take])
+                    i += take
+                    if i == nb:
+                        break
+            except Exception:
+                for ti, slots in placed:
+                    self.tiers[ti].release(slots)
+                raise
+            seq = self._seqs[seq_id] = _Seq(n_tokens=T)
+            for ti, slots in placed:
+                for s in slots:
+                    seq.blocks.append(self._new_block(ti, s))
+
+    def fork(self, src, dst, n_tokens: Optional[int] = None) -> None:
+        """dst shares src's first n_tokens (default all): full blocks by refcount, a partial last block copied
+        (so appends never write into a shared block)."""
+        with self._lock:
+            s = self._seq(src)
+            n = s.n_tokens if n_tokens is None else int(n_tokens)
+            if not 0 <= n <= s.n_tokens:
+                raise ValueError(f"fork of {n} tokens from a {s.n_tokens}-token sequence")
+            if dst in self._seqs:
+                raise ValueError(f"sequence {dst!r} already in the KV pool")
+            full, part = divmod(n, self.bt)
+            copied = None
+            if part:
+                b = self._blocks[s.blocks[full]]
+                data = self.tiers[b.tier].read([b.slot])
+                ti = next((i for i, t in enumerate(self.tiers) if t.free >= 1), None)
+                if ti is None:
+                    raise PoolFull("KV pool full: no slot for the forked partial block")
+                slot = self.tiers[ti].alloc(1)
+                self.tiers[ti].write(slot, data)
+                copied = self._new_block(ti, slot[0])
+            d = self._seqs[dst] = _Seq(n_tokens=n)
+            for bid in s.blocks[:full]:
+                self._blocks[bid].ref += 1
+                d.blocks.append(bid)
+            if copied is not None:
+                d.blocks.append(copied)
+
+    def free(self, seq_id) -> bool:
+        """Drop a sequence: unpin, unref, and release every block whose refcount reaches zero."""
+        with self._lock:
+            seq = self._seqs.pop(seq_id, None)
+            if seq is None:
+                return False
+            for bid in seq.blocks:
+                b = self._blocks[bid]
+                if seq.active:
+                    b.pins -= 1
+                b.ref -= 1
+                if b.ref == 0:
+                    self._drop_block(bid)
+            return True
+
+    def read(self, seq_id) -> Tuple[np.ndarray, np.ndarray]:
+        """The sequence's KV as contiguous k, v [L, KVH, n_tokens, D], read from whichever tiers hold it."""
+        with self._lock:
+            seq = self._seq(seq_id)
+            data = np.empty((len(seq.blocks), *self.block_shape), self.dtype)
+            by_tier: Dict[int, List[Tuple[int, int]]] = collections.defaultdict(list)
+            for i, bid in enumerate(seq.blocks):
+                b = self._blocks[bid]
+                by_tier[b.tier].append((i, b.slot))
+            for ti, items in by_tier.items():
+                data[[i for i, _ in items]] = self._read_tier(ti, [s for _, s in items])
+            self._touch(seq)
+            n = seq.n_tokens
+        kv = data.transpose(1, 2, 3, 0, 4, 5).reshape(2, self.L, self.H, -1, self.D)
+        return np.ascontiguousarray(kv[0, :, :, :n]), np.ascontiguousarray(kv[1, :, :, :n])
+
+    # ---- device residency -----------------------------------------------------------------------
+    def can_activate(self, seq_id, n_tokens: Optional[int] = None) -> bool:
+        """Whether activate(seq_id, n_tokens) would succeed now."""
+        with self._lock:
+            seq = self._seq(seq_id)
+            return self._can_take(0, self._activation_need(seq, n_tokens), set(seq.blocks), self._vacating(seq))
+
+    def can_allocate(self, n_blocks: int) -> bool:
+        """Whether the device tier can take n_blocks new blocks now (demoting unpinned blocks if needed)."""
+        with self._lock:
+            return self._can_take(0, n_blocks, set())
+
+    def activate(self, seq_id, n_tokens: Optional[int] = None) -> None:
+        """Promote all of a sequence's blocks to the device tier, pin them, and make room for n_tokens
+        (default: its current length). Unpinned LRU blocks are demoted as needed. Raises PoolFull."""
+        with self._lock:
+            seq = self._seq(seq_id)
+            own = set(seq.blocks)
+            need = self._activation_need(seq, n_tokens)
+            if not self._can_take(0, need, own, self._vacating(seq)):
+                raise PoolFull(f"KV device tier full: {need} blocks needed for {seq_id!r}, "
+                               f"{self.tiers[0].free} free and too little to demote")
+            up = [bid for bid in seq.blocks if self._blocks[bid].tier != 0]
+            if up:
+                self._promote(up, own)
+            if not seq.active:
+                for bid in seq.blocks:
+                    self._blocks[bid].pins += 1
+                seq.active = True
+            if n_tokens is not None:
+                self._grow(seq, n_tokens, own)
+            self._touch(seq)
+
+    def deactivate(self, seq_id) -> None:
+        """Unpin (the sequence becomes an LRU candidate for demotion)."""
+        with self._lock:
+            seq = self._seq(seq_id)
+            if seq.active:
+                for bid in seq.blocks:
+                    self._blocks[bid].pins -= 1
+                seq.active = False
+            self._touch(seq)
+
+    def reserve(self, seq_id, n_tokens: int) -> bool:
+        """Make an active sequence's block table hold n_tokens, allocating device blocks (demoting unpinned
+        LRU blocks if needed). False when the device tier cannot make room (the caller preempts)."""
+        with self._lock:
+            seq = self._seq(seq_id)
+            if not seq.active:
+                raise ValueError(f"sequence {seq_id!r} is not active")
+            extra = self.blocks_for(n_tokens) - len(seq.blocks)
+            if extra <= 0:
+                return True
+            own = set(seq.blocks)
+            if not self._can_take(0, extra, own):
+                return False
+            self._grow(seq, n_tokens, own)
+            return True
+
+    def append(self, seq_ids: Sequence[Hashable], k: np.ndarray, v: np.ndarray) -> None:
+        """Append one token to each active sequence: k, v [n, L, KVH, D] (row i -> seq_ids[i]). Capacity must
+        be reserved first (raises PoolFull otherwise)."""
+        with self._lock:
+            slots, offs, seqs = [], [], []
+            for sid in seq_ids:
+                seq = self._seq(sid)
+                if not seq.active:
+                    raise ValueError(f"sequence {sid!r} is not active")
+                j, off = divmod(seq.n_tokens, self.bt)
+                if j >= len(seq.blocks):
+                    raise PoolFull(f"sequence {sid!r}: no block reserved for token {seq.n_tokens}")
+                b = self._blocks[seq.blocks[j]]
+                assert b.tier == 0 and b.ref == 1, "append into a moved or shared block"
+                slots.append(b.slot)
+                offs.append(off)
+                seqs.append(seq)
+            if seqs:
+                self.tiers[0].write_tokens(slots, offs, k, v)
+            for seq in seqs:
+                seq.n_tokens += 1
+
+    def demote(self, seq_id, to: Optional[str] = None) -> int:
+        """Move a sequence's unpinned blocks down the stack: each group to the next lower tier that can take it
+        (default), or all into tier `to`. Lower tiers make room by demoting their own LRU blocks. Returns the
+        number of blocks moved (0: already at the bottom / all pinned); raises PoolFull when nothing below fits."""
+        with self._lock:
+            seq = self._seq(seq_id)
+            own = set(seq.blocks)
+            target = None if to is None else self._tier_index(to)
+            groups: Dict[int, List[int]] = collections.defaultdict(list)
+            for bid in seq.blocks:
+                b = self._blocks[bid]
+                if not b.pins and (b.tier + 1 < len(self.tiers) if target is None else b.tier < target):
+                    groups[b.tier].append(bid)
+            moved = 0
+            for src in sorted(groups, reverse=True):  # deepest first so upper groups find room below
+                rest = groups[src]
+                for dst in (range(src + 1, len(self.tiers)) if target is None else [target]):
+                    take = self._room(dst, len(rest), own)  # the next tier first, overflow further down
+                    if take:
+                        self._move(rest[:take], dst, own)
+                        moved += take
+                        rest = rest[take:]
+                    if not rest:
+                        break
+                if rest:
+                    raise PoolFull(f"KV tiers below {self.tiers[src].name} are full: cannot demote {seq_id!r}")
+            self._touch(seq)
+            return moved
+
+    def promote(self, seq_id) -> None:
+        """Bring a sequence's blocks back to the device tier without pinning them. Raises PoolFull."""
+        with self._lock:
+            seq = self._seq(seq_id)
+            own = set(seq.blocks)
+            up = [bid for bid in seq.blocks if self._blocks[bid].tier != 0]
+            if up:
+                if not self._can_take(0, len(up), own, self._vacating(seq)):
+                    raise PoolFull(f"KV device tier full: cannot promote {seq_id!r}")
+                self._promote(up, own)
+            self._touch(seq)
+
+    def demote_idle(self, idle_s: float) -> int:
+        """Demote (one tier) every inactive sequence untouched for idle_s seconds; returns blocks moved."""
+        now = time.monotonic()
+        moved = 0
+        with self._lock:
+            for sid, seq in list(self._seqs.items()):
+                if not seq.active and now - seq.touched >= idle_s:
+                    try:
+                        moved += self.demote(sid)
+                    except (PoolFull, KVLost):
+                        pass
+                    seq.touched = now
+        return moved
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _seq(self, seq_id) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id!r} not in the KV pool") from None
+
+    def _tier_index(self, name: str) -> int:
+        for i, t in enumerate(self.tiers):
+            if t.name == name:
+                return i
+        raise ValueError(f"no KV tier {name!r}; have {[t.name for t in self.tiers]}")
+
+    def _new_block(self, tier: int, slot: int) -> int:
+        bid = next(self._ids)
+        self._blocks[bid] = _Block(tier, slot)
+        self._lru[tier][bid] = None
+        return bid
+
+    def _drop_block(self, bid: int) -> None:
+        b = self._blocks.pop(bid)
+        self._lru[b.tier].pop(bid, None)
+        self.tiers[b.tier].release([b.slot])
+
+    def _touch(self, seq: _Seq) -> None:
+        seq.touched = time.monotonic()
+        for bid in seq.blocks:
+            self._lru[self._blocks[bid].tier].move_to_end(bid)
+
+    def _activation_need(self, seq: _Seq, n_tokens: Optional[int]) -> int:
+        off_device = sum(1 for bid in seq.blocks if self._blocks[bid].tier != 0)
+        grow = 0 if n_tokens is None else max(0, self.blocks_for(n_tokens) - len(seq.blocks))
+        return off_device + grow
+
+    def _to_blocks(self, k: np.ndarray, v: np.ndarray, nb: int) -> np.ndarray:
+        T = k.shape[2]
+        buf = np.zeros((2, self.L, self.H, nb * self.bt, self.D), self.dtype)
+        buf[0, :, :, :T] = k
+        buf[1, :, :, :T] = v
+        return buf.reshape(2, self.L, self.H, nb, self.bt, self.D).transpose(3, 0, 1, 2, 4, 5)
+
+    def _read_tier(self, ti: int, slots: List[int]) -> np.ndarray:
+        try:
+            return self.tiers[ti].read(slots)
+        except KVLost:
+            self.counters["lost_blocks"] += len(slots)
+            raise
+
+    def _movable(self, ti: int, limit: int, exclude: set) -> List[int]:
+        """Up to `limit` unpinned blocks of tier ti not in exclude, least recently used first."""
+        out = []
+        if limit <= 0:
+            return out
+        for bid in self._lru[ti]:
+            if not self._blocks[bid].pins and bid not in exclude:
+                out.append(bid)
+                if len(out) >= limit:
+                    break
+        return out
+
+    def _room(self, ti: int, limit: int, exclude: set, vacating: Optional[Dict[int, int]] = None) -> int:
+        """How many of `limit` blocks tier ti can accept: free slots (plus slots that `vacating` blocks will
+        leave) and its unpinned LRU blocks that the tiers below can in turn accept."""
+        if ti >= len(self.tiers) or limit <= 0:
+            return 0
+        free = self.tiers[ti].free + (vacating or {}).get(ti, 0)
+        if free >= limit:
+            return int(limit)
+        free = int(free)
+        movable = len(self._movable(ti, limit - free, exclude))
+        return free + self._room(ti + 1, movable, exclude, vacating)
+
+    def _can_take(self, ti: int, m: int, exclude: set, vacating: Optional[Dict[int, int]] = None) -> bool:
+        return m <= 0 or self._room(ti, m, exclude, vacating) >= m
+
+    def _vacating(self, seq: _Seq) -> Dict[int, int]:
+        """Slots per tier that promoting seq's off-device blocks will free."""
+        return dict(collections.Counter(self._blocks[b].tier for b in seq.blocks if self._blocks[b].tier != 0))
+
+    def _make_room(self, ti: int, m: int, exclude: set) -> None:
+        short = m - self.tiers[ti].free
+        if short <= 0:
+            return
+        short = int(short)
+        victims = self._movable(ti, short, exclude)
+        if len(victims) < short or ti + 1 >= len(self.tiers):
+            raise PoolFull(f"KV {self.tiers[ti].name} tier full")
+        self._move(victims, ti + 1, exclude)
+
+    def _gather(self, bids: List[int]) -> np.ndarray:
+        data = np.empty((len(bids), *self.block_shape), self.dtype)
+        by_src: Dict[int, List[int]] = collections.defaultdict(list)
+        for i, bid in enumerate(bids):
+            by_src[self._blocks[bid].tier].append(i)
+        for src, idx in by_src.items():
+            data[idx] = self._read_tier(src, [self._blocks[bids[i]].slot for i in idx])
+        return data
+
+    def _move(self, bids: List[int], dst: int, exclude: set) -> None:
+        """Copy blocks (from tiers above dst) verbatim into tier dst, then release their old slots."""
+        self._make_room(dst, len(bids), exclude)
+        data = self._gather(bids)
+        t = self.tiers[dst]
+        slots = t.alloc(len(bids))
+        try:
+            t.write(slots, data)
+        except Exception:
+            t.release(slots)
+            raise
+        for bid, slot in zip(bids, slots):
+            b = self._blocks[bid]
+            self.counters["demoted_blocks"] += 1
+            self.tiers[b.tier].release([b.slot])
+            self._lru[b.tier].pop(bid, None)
+            b.tier, b.slot = dst, slot
+            self._lru[dst][bid] = None
+
+    def _promote(self, bids: List[int], exclude: set) -> None:
+        """Bring blocks up to the device tier. Their old slots are released first, so demotions made to free
+        device slots can take them (a swap)."""
+        data = self._gather(bids)
+        for bid in bids:
+            b = self._blocks[bid]
+            self.tiers[b.tier].release([b.slot])
+            self._lru[b.tier].pop(bid, None)
+        try:
+            self._make_room(0, len(bids), exclude)
+            slots = self.tiers[0].alloc(len(bids))
+            try:
+                self.tiers[0].write(slots, data)
+            except Exception:
+                self.tiers[0].release(slots)
+                raise
+        except Exception:
+            self._replace(bids, data)
+            raise
+        for bid, slot in zip(bids, slots):
+            b = self._blocks[bid]
+            b.tier, b.slot = 0, slot
+            self._lru[0][bid] = None
+        self.counters["promoted_blocks"] += len(bids)
+
+    def _replace(self, bids: List[int], data: np.ndarray) -> None:
+        """Put released blocks back into whichever tiers have free slots (after a failed promotion)."""
+        i = 0
+        for ti, t in enumerate(self.tiers):
+            take = int(min(len(bids) - i, t.free))
+            if take <= 0:
+                continue
+            slots = t.alloc(take)
+            try:
+                t.write(slots, data[i:i + take])
+            except Exception:
+                t.release(slots)
+                continue
+            for bid, slot in zip(bids[i:i + take], slots):
+                b = self._blocks[bid]
+                b.tier, b.slot = ti, slot
+                self._lru[ti][bid] = None
+            i += take
+            if i == len(bids):
+                return
+        raise KVLost(f"{len(bids) - i} KV blocks could not be put back after a failed promotion")
+
+    def _grow(self, seq: _Seq, n_tokens: int, exclude: set) -> None:
+        extra = self.blocks_for(n_tokens) - len(seq.blocks)
+        if extra <= 0:
+            return
+        self._make_room(0, extra, exclude)
+        for s in self.tiers[0].alloc(extra):
+            bid = self._new_block(0, s)
+            self._blocks[bid].pins = 1 if seq.active else 0
+            seq.blocks.append(bid)
