@@ -59,6 +59,23 @@ def test_verify_kv_and_digest_local(engine_dir, prompt_ids):
         doctor.verify_kv(e, ids + [5], k, v)
 
 
+def test_versions_mismatch_between_servers_fails(engine_dir):
+    """op=info answers from two servers whose engines were built from different checkpoints -> FAIL."""
+    from hetserve.engines.manifest import read_manifest
+
+    man = read_manifest(engine_dir)
+    other = dict(man, compat_hash="e" * 32, manifest_version=man["manifest_version"] + 1)
+    d = doctor.Doctor("127.0.0.1:1", "127.0.0.1:2")
+    d.report.sections["servers"] = {"prefill": {"triton": "2.51.0"}, "decode": {"triton": "2.51.0"}}
+    assert not d.check_versions({"prefill": doctor.server_info("prefill", man, {"prefill_fp32": "fp32"}),
+                                 "decode": doctor.server_info("decode", other, {"decode_fp32": "fp32"})})
+    c = _by_id(d.report)
+    assert c["versions/compat_hash"].status == "FAIL" and "e" * 32 in c["versions/compat_hash"].detail
+    assert c["versions/manifest"].status == "FAIL" and "manifest_version" in c["versions/manifest"].detail
+    assert c["versions/triton"].status == "PASS"
+    assert "-> FAIL" in doctor.format_text(d.report)
+
+
 # ---- live ----------------------------------------------------------------------------------------------
 def test_doctor_passes_on_healthy_topology(topology):
     t0 = time.perf_counter()
@@ -110,7 +127,7 @@ def test_doctor_dead_decode_url_fails_fast(topology):
              timeout=60)
     dt = time.perf_counter() - t0
     assert p.returncode == 1, p.stdout + p.stderr
-    assert f"[FAIL] servers/decode" in p.stdout and "unreachable" in p.stdout
+    assert "[FAIL] servers/decode" in p.stdout and "unreachable" in p.stdout
     assert "-> FAIL" in p.stdout and "[PASS] servers/prefill" in p.stdout
     assert dt < 30, f"took {dt:.1f}s"
 

@@ -210,7 +210,10 @@ def probe_link(sender, url: str, transports: Sequence[str], compat_hash: str, cf
     bad = [t for t in tokens if not 1 <= int(t) <= cfg.max_position]
     if not tokens or bad:
         raise ValueError(f"probe sizes must be token counts in [1, {cfg.max_position}], got {list(tokens)}")
-    rid = lambda: f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"  # noqa: E731
+
+    def rid():
+        return f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
+
     results, failed = [], set()
     warm_hdr, warm_payload = wire.encode(*synthetic_kv(cfg, 1), compat_hash, kv_dtype)
     for tr in transports if warmup else ():
@@ -443,7 +446,10 @@ class Doctor:
     def _prefill(self, op, args=None, timeout_s=None, **params) -> dict:
         r = self._client(self.prefill_url).infer("prefill", self._inputs(op, args, params),
                                                  client_timeout=timeout_s or self.timeout_s)
-        return json.loads(r.as_numpy("doctor_json").reshape(-1)[0])
+        out = r.as_numpy("doctor_json")
+        if out is None:
+            raise DoctorError(f"prefill op={op}: response has no doctor_json (server too old for doctor?)")
+        return json.loads(out.reshape(-1)[0])
 
     def _kv_ingest_ping(self):
         import tritonclient.grpc as grpcclient
@@ -491,8 +497,8 @@ class Doctor:
         up = {}
         for role, url, models in (("prefill", self.prefill_url, ["prefill"]),
                                   ("decode", self.decode_url, ["kv_ingest", "decode"])):
-            c = self._client(url)
             try:
+                c = self._client(url)
                 if not c.is_server_live(client_timeout=self.timeout_s):
                     raise DoctorError("server is not live")
                 meta = c.get_server_metadata(as_json=True, client_timeout=self.timeout_s)
@@ -655,7 +661,7 @@ class Doctor:
             else:
                 self._add("link", f"refuse_{name}", "FAIL", f"expected a refusal mentioning {needle!r}, got: {err}")
 
-    def check_kv(self, up):
+    def check_kv(self):
         try:
             pending0 = self._decode("info").get("pending")
         except Exception as e:
@@ -739,7 +745,7 @@ class Doctor:
             self.check_latency(up)
             if up["prefill"] and up["decode"]:
                 self.check_link()
-                self.check_kv(up)
+                self.check_kv()
             else:
                 down = " and ".join(r for r in ("prefill", "decode") if not up[r])
                 for s in ("link", "kv"):
