@@ -122,8 +122,31 @@ class KVSender:
             r = self._shm[url] = (name, handle, RangeAllocator(self.shm_bytes))
             return r
 
+    def _forget_shm(self, url: str) -> None:
+        """Drop a region the decode server no longer knows (it restarted): re-registered on next use."""
+        import tritonclient.utils.shared_memory as shm
+
+        with self._lock:
+            r = self._shm.pop(url, None)
+        if r is not None:
+            try:
+                shm.destroy_shared_memory_region(r[1])
+            except Exception:
+                pass
+
     def send(self, url: str, transport: str, request_id: str, hdr: KVHeader, payload: np.ndarray,
              timeout_s: float = 30.0) -> dict:
+        try:
+            return self._send(url, transport, request_id, hdr, payload, timeout_s)
+        except TransferError as e:
+            if transport != "shm" or "shared memory region" not in str(e).lower():
+                raise
+            log.warning("decode server %s lost our shm registration (restarted?); re-registering", url)
+            self._forget_shm(url)
+            return self._send(url, transport, request_id, hdr, payload, timeout_s)
+
+    def _send(self, url: str, transport: str, request_id: str, hdr: KVHeader, payload: np.ndarray,
+              timeout_s: float) -> dict:
         if transport not in TRANSPORTS:
             raise TransferError(f"unknown KV transport {transport!r}; use one of {TRANSPORTS}")
         t0 = time.perf_counter()

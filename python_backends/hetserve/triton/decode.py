@@ -183,10 +183,23 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error(str(e), classify(e))),
                         flags=FINAL)
 
+    def _stats(self) -> dict:
+        sched = self.sched
+        with sched.cv:
+            out = {"running": sched.n_running(), "waiting": len(sched.waiting), "pending_kv": len(self.pending),
+                   "scheduler": dict(sched.stats), "counters": dict(self.counters)}
+        pool = getattr(sched, "kv_pool", None)
+        if pool is not None:
+            out["kv_pool"] = pool.stats()
+        if self.snapshots is not None:
+            out["snapshots"] = {**self.snapshots.stats, "files": self.snapshots.store.count(),
+                                "tracked": len(self.snapshots.prompts)}
+        return out
+
     def _canary(self, sender):
         eng = self.engines[self.default_precision]
-        logits, _, _ = eng.prefill([int(self.cfg.bos_token_id if getattr(self.cfg, "bos_token_id", None) is not None
-                                        else 1)])
+        bos = self.cfg.bos_token_id
+        logits, _, _ = eng.prefill([int(bos) if bos is not None else 1])
         tok = int(np.argmax(logits))
         sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("token_ids", np.array([tok], np.int32))]),
                     flags=FINAL)
@@ -250,8 +263,10 @@ class TritonPythonModel:
                     self._generate(r, sender)
                 elif op in ("info", "verify"):  # `hetserve doctor` (doctor.py)
                     self._doctor(op, r, sender)
+                elif op == "stats":  # leak checks, soak tests, operators
+                    self._send_json(sender, self._stats())
                 else:
-                    raise RequestError(f"unknown op {op!r}; use 'generate' or 'ingest'")
+                    raise RequestError(f"unknown op {op!r}; use generate, ingest, canary, stats, info or verify")
             except Exception as e:
                 if classify(e) == pb_utils.TritonError.INTERNAL:
                     log.exception("decode request failed")

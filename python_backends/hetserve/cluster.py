@@ -1,0 +1,285 @@
+"""Local launcher: one prefill server and an elastic pool of decode servers on this host, plus the autoscaler.
+
+Decode server i listens on base+1000+10*i (HTTP), +1 (gRPC), +2 (metrics). The prefill server's orchestrator
+learns the pool from a registry file (HETSERVE_DECODE_REGISTRY) that this launcher rewrites whenever it adds or
+removes a decode server; the orchestrator re-reads it at every health round (5 s). On Kubernetes the registry is
+the decode Deployment's endpoints and the autoscaler is an HPA on the same metrics (docs/reliability.md).
+
+Autoscaler: every `interval_s` it scrapes each decode server's /metrics (hetserve_utilization_ratio of the decode
+engine and hetserve_queue_depth), and with hysteresis
+  * scales up by one when the mean utilization > `up_util` or any queue > `up_queue` for `up_after` rounds in a row,
+  * scales down by one (draining: removed from the registry first, stopped once idle) when the mean utilization
+    < `down_util` and all queues are empty for `down_after` rounds in a row,
+staying within [min, max] and waiting `cooldown_s` after each action.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .server import REPO_ROOT, ServerSpec, TritonProcess
+from .topology import split_cpus
+
+log = logging.getLogger("hetserve.cluster")
+
+
+class LocalCluster:
+    def __init__(self, engine_dir: str, base_port: int = 8000, n_decode: int = 1, env: Optional[dict] = None,
+                 decode_env: Optional[dict] = None, log_dir: Optional[str] = None, pin: bool = True,
+                 run_dir: Optional[str] = None):
+        self.engine_dir = engine_dir
+        self.base_port = base_port
+        self.n_initial = n_decode
+        self.env = dict(env or {})
+        self.decode_env = dict(decode_env or {})
+        self.log_dir = log_dir or str(REPO_ROOT / ".hetserve" / "logs")
+        self.cpus = split_cpus() if pin else {"prefill": None, "decode": None}
+        run = Path(run_dir or (REPO_ROOT / ".hetserve" / "run"))
+        run.mkdir(parents=True, exist_ok=True)
+        self.registry = str(run / f"decode-pool-{base_port}.txt")
+        self.prefill: Optional[TritonProcess] = None
+        self.decode: Dict[int, TritonProcess] = {}
+        self._lock = threading.Lock()
+
+    # ---- addresses ------------------------------------------------------------------------------
+    def decode_port(self, i: int) -> int:
+        return self.base_port + 1000 + 10 * i
+
+    def decode_grpc(self, i: int) -> str:
+        return f"127.0.0.1:{self.decode_port(i) + 1}"
+
+    def decode_metrics(self, i: int) -> str:
+        return f"127.0.0.1:{self.decode_port(i) + 2}"
+
+    @property
+    def prefill_grpc(self) -> str:
+        return f"127.0.0.1:{self.base_port + 1}"
+
+    @property
+    def prefill_metrics(self) -> str:
+        return f"127.0.0.1:{self.base_port + 2}"
+
+    def decode_urls(self) -> List[str]:
+        return [self.decode_grpc(i) for i in sorted(self.decode)]
+
+    def _write_registry(self):
+        tmp = self.registry + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(self.decode_urls()) + "\n")
+        os.replace(tmp, self.registry)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def _decode_spec(self, i: int) -> ServerSpec:
+        b = self.decode_port(i)
+        return ServerSpec("decode", b, b + 1, b + 2, self.engine_dir, cpus=self.cpus["decode"],
+                          env={**self.env, **self.decode_env},
+                          log_file=str(Path(self.log_dir) / f"decode{i}-{self.base_port}.log"))
+
+    def _start_decode(self, i: int, timeout: float) -> TritonProcess:
+        p = TritonProcess(self._decode_spec(i)).start()
+        try:
+            p.wait_ready(timeout)
+        except Exception:
+            p.stop()
+            raise
+        return p
+
+    def start(self, timeout: float = 300.0) -> "LocalCluster":
+        try:
+            procs = {i: TritonProcess(self._decode_spec(i)).start() for i in range(self.n_initial)}
+            self.decode.update(procs)
+            self._write_registry()
+            b = self.base_port
+            env = {**self.env, "HETSERVE_DECODE_URL": "", "HETSERVE_DECODE_REGISTRY": self.registry}
+            self.prefill = TritonProcess(ServerSpec(
+                "prefill", b, b + 1, b + 2, self.engine_dir, cpus=self.cpus["prefill"], env=env,
+                log_file=str(Path(self.log_dir) / f"prefill-cluster-{b}.log"))).start()
+            for p in list(procs.values()) + [self.prefill]:
+                p.wait_ready(timeout)
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def add_decode(self, timeout: float = 300.0) -> int:
+        """Start one more decode server; it joins the pool once ready. Returns its index."""
+        with self._lock:
+            i = next(j for j in range(1000) if j not in self.decode)
+        p = self._start_decode(i, timeout)
+        with self._lock:
+            self.decode[i] = p
+            self._write_registry()
+        log.info("decode server %d up at %s", i, self.decode_grpc(i))
+        return i
+
+    def remove_decode(self, i: Optional[int] = None, drain_timeout_s: float = 60.0) -> int:
+        """Drain and stop a decode server (the newest by default): out of the registry first, then wait until
+        it has no running or queued sequences (or the timeout), then stop it."""
+        with self._lock:
+            if not self.decode:
+                raise RuntimeError("no decode server to remove")
+            i = max(self.decode) if i is None else i
+            p = self.decode.pop(i)
+            self._write_registry()
+        deadline = time.time() + drain_timeout_s
+        time.sleep(float(self.env.get("HETSERVE_HEALTH_INTERVAL_S", "5")) + 0.5)  # let the pool re-read
+        while time.time() < deadline:
+            s = scrape_decode(self.decode_metrics(i))
+            if s is None or (s["batch"] == 0 and s["queue"] == 0):
+                break
+            time.sleep(0.5)
+        p.stop()
+        log.info("decode server %d removed", i)
+        return i
+
+    def restart_decode(self, i: int, timeout: float = 300.0):
+        with self._lock:
+            old = self.decode.get(i)
+        if old is not None and old.alive():
+            old.stop()
+        p = self._start_decode(i, timeout)
+        with self._lock:
+            self.decode[i] = p
+            self._write_registry()
+
+    def kill9(self, i: int):
+        self.decode[i].kill9()
+
+    def stop(self):
+        procs = ([self.prefill] if self.prefill else []) + list(self.decode.values())
+        for p in procs:
+            try:
+                p.stop()
+            except Exception:
+                log.exception("stopping %s", p.spec.role)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+_SAMPLE = re.compile(r'^(hetserve_utilization_ratio|hetserve_queue_depth|hetserve_batch_size)(\{[^}]*\})?\s+(\S+)$')
+
+
+def scrape_decode(metrics_url: str, timeout_s: float = 2.0) -> Optional[dict]:
+    """{util, queue, batch} of one decode server from its /metrics, or None if it does not answer."""
+    try:
+        text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s).read().decode()
+    except Exception:
+        return None
+    out = {"util": 0.0, "queue": 0.0, "batch": 0.0}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, v = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "hetserve_utilization_ratio" and 'model="decode"' in labels:
+            out["util"] = v
+        elif name == "hetserve_queue_depth":
+            out["queue"] = v
+        elif name == "hetserve_batch_size":
+            out["batch"] = v
+    return out
+
+
+@dataclass
+class ScalePolicy:
+    min_n: int = 1
+    max_n: int = 4
+    up_util: float = 0.8
+    down_util: float = 0.3
+    up_queue: float = 4
+    up_after: int = 2
+    down_after: int = 6
+    cooldown_s: float = 30.0
+
+
+@dataclass
+class Autoscaler:
+    cluster: LocalCluster
+    policy: ScalePolicy = field(default_factory=ScalePolicy)
+    interval_s: float = 5.0
+    history: List[dict] = field(default_factory=list)
+    _hot: int = 0
+    _cold: int = 0
+    _last_action: float = -1e9
+
+    def decide(self, samples: List[dict], n: int, now: float) -> int:
+        """+1 / -1 / 0 from this round's samples (hysteresis: consecutive rounds, cooldown, bounds)."""
+        p = self.policy
+        if n < p.min_n:
+            return +1
+        live = [s for s in samples if s is not None]
+        if not live:
+            return 0
+        util = sum(s["util"] for s in live) / len(live)
+        queue = max(s["queue"] for s in live)
+        hot = util > p.up_util or queue > p.up_queue
+        cold = util < p.down_util and queue == 0
+        self._hot = self._hot + 1 if hot else 0
+        self._cold = self._cold + 1 if cold else 0
+        if now - self._last_action < p.cooldown_s:
+            return 0
+        if self._hot >= p.up_after and n < p.max_n:
+            return +1
+        if self._cold >= p.down_after and n > p.min_n:
+            return -1
+        return 0
+
+    def tick(self, now: Optional[float] = None) -> int:
+        now = time.monotonic() if now is None else now
+        idx = sorted(self.cluster.decode)
+        samples = [scrape_decode(self.cluster.decode_metrics(i)) for i in idx]
+        d = self.decide(samples, len(idx), now)
+        self.history.append({"t": now, "n": len(idx), "samples": samples, "action": d})
+        if d:
+            self._last_action = now
+            self._hot = self._cold = 0
+            if d > 0:
+                self.cluster.add_decode()
+            else:
+                self.cluster.remove_decode()
+            self._last_action = time.monotonic()
+        return d
+
+    def run(self, stop: threading.Event):
+        while not stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except Exception:
+                log.exception("autoscaler round failed")
+
+
+def decode_op(url: str, op: str = "stats", timeout_s: float = 10.0) -> dict:
+    """Run a diagnostic op (stats, info) on a decode server and return its JSON answer."""
+    import json
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from .client import build_inputs
+
+    c = grpcclient.InferenceServerClient(url)
+    q: "queue.Queue" = queue.Queue()
+    try:
+        c.start_stream(callback=lambda result, error: q.put((result, error)))
+        c.async_stream_infer("decode", build_inputs(None, op=op), request_id=op)
+        result, err = q.get(timeout=timeout_s)
+        if err is not None:
+            raise RuntimeError(f"decode op={op}: {err}")
+        return json.loads(bytes(result.as_numpy("doctor_json").reshape(-1)[0]))
+    finally:
+        try:
+            c.stop_stream()
+        except Exception:
+            pass
+        c.close()

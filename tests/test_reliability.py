@@ -1,0 +1,537 @@
+"""Reliability (issue 4): breaker, pool, snapshots, autoscaler policy as units; then real processes: kill -9 of a
+decode server mid-stream, a hung (SIGSTOPped) decode server, 1,000 malformed requests, the breaker on live
+latency, autoscaling, and a bounded soak with leak checks (KV, shm regions, file descriptors)."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetserve.cluster import Autoscaler, LocalCluster, ScalePolicy, decode_op, scrape_decode
+from hetserve.kv.snapshot import Snapshotter, SnapshotStore
+from hetserve.reliability import CLOSED, HALF_OPEN, OPEN, BreakerOpen, CircuitBreaker, DecodePool, NoDecodeServer
+
+from conftest import PROMPTS
+
+
+# ---------------------------------------------------------------------------------------------- units
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_breaker_opens_on_p99_rejects_then_half_open_probe_closes():
+    clk = Clock()
+    states = []
+    b = CircuitBreaker(p99_threshold_s=0.5, window_s=30, min_samples=5, open_s=5, clock=clk, on_state=states.append)
+    for _ in range(4):
+        b.allow()
+        b.record(0.9)  # slow, but fewer than min_samples: stays closed
+    assert b.state == CLOSED
+    b.allow()
+    b.record(0.9)
+    assert b.state == OPEN and "p99" in b.reason
+    with pytest.raises(BreakerOpen, match="retry in"):
+        b.allow()
+    clk.t += 5.1
+    b.allow()  # the one probe
+    assert b.state == HALF_OPEN
+    with pytest.raises(BreakerOpen, match="half-open"):
+        b.allow()  # only one probe at a time
+    b.record(0.9)  # slow probe: re-open
+    assert b.state == OPEN
+    clk.t += 5.1
+    b.allow()
+    b.record(0.1)  # fast probe: close, window cleared
+    assert b.state == CLOSED and b.p99() is None
+    assert states[-1] == CLOSED and OPEN in states and HALF_OPEN in states
+
+
+def test_breaker_old_samples_leave_the_window_and_queue_full_trips():
+    clk = Clock()
+    b = CircuitBreaker(p99_threshold_s=0.5, window_s=10, min_samples=3, open_s=1, overload_trips=3, clock=clk)
+    for _ in range(2):
+        b.record(2.0)
+    clk.t += 11
+    b.record(0.1)
+    assert b.state == CLOSED  # the slow ones aged out
+    b.record_failure(overloaded=True)
+    b.record_failure(overloaded=True)
+    b.record(0.1)  # success resets the run
+    b.record_failure(overloaded=True)
+    b.record_failure(overloaded=True)
+    assert b.state == CLOSED
+    b.record_failure(overloaded=True)
+    assert b.state == OPEN and "queue" in b.reason
+
+
+def test_pool_routes_by_health_and_load_and_rereads_registry(tmp_path):
+    down = set()
+
+    def check(url, timeout):
+        if url in down:
+            raise TimeoutError("canary deadline exceeded")
+        return 1.0
+
+    reg = tmp_path / "pool.txt"
+    reg.write_text("b:1\n")
+    pool = DecodePool(["a:1"], registry=str(reg), check=check, start=False)
+    assert set(pool.members) == {"a:1", "b:1"}
+    u1 = pool.pick()
+    u2 = pool.pick()
+    assert {u1, u2} == {"a:1", "b:1"}  # least in-flight spreads load
+    pool.release("a:1")
+    assert pool.pick() == "a:1"  # a has 0 in flight now, b has 1
+    down.add("a:1")
+    pool.check_all()
+    assert not pool.members["a:1"].healthy and "deadline" in pool.members["a:1"].last_error
+    assert pool.pick() == "b:1"
+    with pytest.raises(NoDecodeServer):
+        pool.pick(exclude=["b:1"])
+    reg.write_text("b:1\nc:1\n")
+    down.clear()
+    pool.check_all()
+    assert set(pool.members) == {"a:1", "b:1", "c:1"} and all(m.healthy for m in pool.members.values())
+    pool.mark_down("c:1", "stream broke")
+    assert not pool.members["c:1"].healthy
+    pool.close()
+
+
+def _kv(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((30, 3, n, 64)).astype(np.float32),
+            rng.standard_normal((30, 3, n, 64)).astype(np.float32))
+
+
+def test_snapshot_store_exact_round_trip_corruption_and_retention(tmp_path):
+    st = SnapshotStore(str(tmp_path), "abc123", "fp32", retention_s=7 * 86400)
+    k, v = _kv(11)
+    ids = list(range(100, 111))
+    st.save("req/1", ids, k, v)
+    got = st.load("req/1", (30, 3, 64))
+    assert got is not None and got[0] == ids
+    assert got[1].tobytes() == k.tobytes() and got[2].tobytes() == v.tobytes()
+    assert st.load("other", (30, 3, 64)) is None
+    assert SnapshotStore(str(tmp_path), "otherhash").load("req/1", (30, 3, 64)) is None  # model hash refused
+    p = st.path("req/1")
+    raw = bytearray(p.read_bytes())
+    raw[-10] ^= 0xFF
+    p.write_bytes(bytes(raw))
+    assert st.load("req/1", (30, 3, 64)) is None  # crc32 refused
+    st.save("old", ids, k, v)
+    st.save("new", ids, k, v)
+    eight_days = time.time() - 8 * 86400
+    os.utime(st.path("old"), (eight_days, eight_days))
+    assert st.cleanup() == 1
+    assert st.load("old", (30, 3, 64)) is None and st.load("new", (30, 3, 64)) is not None
+
+
+def test_snapshotter_interval_bounds_and_finish_deletes(tmp_path):
+    with pytest.raises(ValueError):
+        Snapshotter(SnapshotStore(str(tmp_path), "h"), interval_s=301)
+    sn = Snapshotter(SnapshotStore(str(tmp_path), "h"), interval_s=0.01)
+
+    class BK:
+        lens = np.array([5])
+        k, v = (np.ones((1, 30, 3, 8, 64), np.float32),) * 2
+
+    class Seq:
+        request_id = "r1"
+        tokens = [7, 8]
+
+    class Sched:
+        running = {"fp32": [Seq()]}
+        batches = {"fp32": BK()}
+
+    sn.track("r1", [1, 2, 3, 4])
+    time.sleep(0.02)
+    sn.after_step(Sched())
+    deadline = time.time() + 5
+    while sn.stats["saved"] == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    restored = sn.restore("r1", [1, 2, 3, 4, 7, 8], (30, 3, 64))
+    assert restored is not None and restored[0] == 5  # prompt + tokens[:-1] of KV
+    assert sn.restore("r1", [1, 2, 9, 4, 7, 8], (30, 3, 64)) is None  # not a prefix: recompute
+    sn.on_finish("r1")
+    assert sn.store.count() == 0
+    sn.close()
+
+
+def test_autoscaler_policy_hysteresis_and_bounds():
+    a = Autoscaler(cluster=None, policy=ScalePolicy(min_n=1, max_n=3, up_after=2, down_after=3, cooldown_s=10))
+    hot, cold, mid = {"util": 0.95, "queue": 0, "batch": 4}, {"util": 0.05, "queue": 0, "batch": 0}, \
+        {"util": 0.5, "queue": 0, "batch": 2}
+    assert a.decide([hot], 1, 0) == 0  # one hot round is not enough
+    assert a.decide([hot], 1, 1) == +1
+    a._last_action, a._hot = 1, 0
+    assert a.decide([hot, hot], 2, 2) == 0 and a.decide([hot, hot], 2, 3) == 0  # cooldown
+    assert a.decide([hot, hot], 2, 12) == +1
+    a._last_action, a._hot = 12, 0
+    assert a.decide([hot] * 3, 3, 30) == 0 and a.decide([hot] * 3, 3, 31) == 0  # at max
+    for t in (40, 41):
+        assert a.decide([cold] * 3, 3, t) == 0
+    assert a.decide([mid] * 3, 3, 42) == 0  # a middling round resets the cold streak
+    for t in (43, 44):
+        assert a.decide([cold] * 3, 3, t) == 0
+    assert a.decide([cold] * 3, 3, 45) == -1
+    assert a.decide([{"util": 0.1, "queue": 9, "batch": 0}] * 2, 2, 100) == 0  # queue is hot
+    assert a.decide([None], 0, 200) == +1  # below min: always up
+
+
+# ---------------------------------------------------------------------------------------------- live
+N_TOK = 32
+RELI_ENV = {
+    "HETSERVE_HEALTH_INTERVAL_S": "1", "HETSERVE_HEALTH_TIMEOUT_S": "2", "HETSERVE_DECODE_STEP_TIMEOUT_S": "4",
+    "HETSERVE_SNAPSHOT_INTERVAL_S": "0.25", "HETSERVE_BREAKER_P99_MS": "60000", "HETSERVE_KV_TIMEOUT_MS": "100",
+    "HETSERVE_METRICS_INTERVAL_S": "0.5",
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(engine_dir, tmp_path_factory):
+    base = int(os.environ.get("HETSERVE_RELIABILITY_BASE_PORT", "21000"))
+    snap = tmp_path_factory.mktemp("snapshots")
+    c = LocalCluster(engine_dir, base_port=base, n_decode=2, env={**RELI_ENV, "HETSERVE_SNAPSHOT_DIR": str(snap)})
+    c.snapshot_dir = snap
+    c.start()
+    yield c
+    c.stop()
+
+
+def _stream(url, ids, max_tokens=N_TOK, on_token=None, **kw):
+    """Greedy streamed generation; returns (token ids, finish reason, error)."""
+    from hetserve.client import GenerationError, stream
+
+    toks, reason = [], None
+    try:
+        for ch in stream(url, None, input_ids=ids, max_tokens=max_tokens, ignore_eos=True, timeout_s=60, **kw):
+            toks += ch.token_ids
+            reason = ch.finish_reason or reason
+            if on_token:
+                on_token(len(toks))
+    except GenerationError as e:
+        return toks, reason, e
+    return toks, reason, None
+
+
+def _metric(metrics_url, name, **labels):
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5).read().decode()
+    tot = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                tot += float(line.rsplit(" ", 1)[1])
+    return tot
+
+
+def _wait(fn, timeout_s, what):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _pool_healthy(cluster, n):
+    def ok():
+        return _metric(cluster.prefill_metrics, "hetserve_decode_servers", state="healthy") == n
+    _wait(ok, 30, f"{n} healthy decode servers in the orchestrator's pool")
+
+
+def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids, reference_tokens):
+    _pool_healthy(cluster, 2)
+    prompts = PROMPTS[:4]
+    started = {p: 0 for p in prompts}
+    mig0 = _metric(cluster.prefill_metrics, "hetserve_migrations_total")
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+        futs = {p: ex.submit(_stream, cluster.prefill_grpc, prompt_ids[p],
+                             on_token=lambda n, p=p: started.__setitem__(p, n)) for p in prompts}
+        _wait(lambda: min(started.values()) >= 8, 60, "all streams to be 8 tokens in")
+        time.sleep(0.4)  # let a snapshot round land
+        victim = 0
+        cluster.kill9(victim)
+        results = {p: f.result(timeout=120) for p, f in futs.items()}
+    for p, (toks, reason, err) in results.items():
+        assert err is None, f"{p!r}: request lost: {err}"
+        assert toks == reference_tokens[p][:N_TOK], f"{p!r}: tokens changed across the migration"
+        assert reason == "length"
+    migrated = _metric(cluster.prefill_metrics, "hetserve_migrations_total") - mig0
+    survivor = cluster.decode_metrics(1)
+    restores = _metric(survivor, "hetserve_snapshot_restores_total")
+    recomputes = _metric(survivor, "hetserve_kv_recompute_total", reason="resume")
+    print(f"\nkill -9 mid-stream: {len(prompts)} streams, {migrated:.0f} migrated, "
+          f"{restores:.0f} resumed from snapshots, {recomputes:.0f} by recompute, 0 lost")
+    assert migrated >= 1 and restores + recomputes >= migrated
+    # the pool noticed; the survivor kept no state for the finished streams
+    st = decode_op(cluster.decode_grpc(1))
+    assert st["running"] == 0 and st["pending_kv"] == 0 and st["snapshots"]["tracked"] == 0
+    cluster.restart_decode(victim)
+    _pool_healthy(cluster, 2)
+
+
+def test_hung_decode_server_is_routed_around(cluster, prompt_ids, reference_tokens):
+    _pool_healthy(cluster, 2)
+    prompts = PROMPTS[4:8]
+    started = {p: 0 for p in prompts}
+    proc = cluster.decode[1].proc
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+            futs = {p: ex.submit(_stream, cluster.prefill_grpc, prompt_ids[p],
+                                 on_token=lambda n, p=p: started.__setitem__(p, n)) for p in prompts}
+            _wait(lambda: min(started.values()) >= 4, 60, "streams to start")
+            os.killpg(proc.pid, signal.SIGSTOP)  # alive but unresponsive: the hard case
+            results = {p: f.result(timeout=120) for p, f in futs.items()}
+        for p, (toks, reason, err) in results.items():
+            assert err is None, f"{p!r}: {err}"
+            assert toks == reference_tokens[p][:N_TOK]
+        _wait(lambda: _metric(cluster.prefill_metrics, "hetserve_decode_servers", state="down") >= 1, 30,
+              "the health check to mark the hung server down")
+        t0 = time.time()
+        toks, _, err = _stream(cluster.prefill_grpc, prompt_ids[PROMPTS[8]])  # new work avoids it at once
+        assert err is None and toks == reference_tokens[PROMPTS[8]][:N_TOK] and time.time() - t0 < 15
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    _pool_healthy(cluster, 2)  # half a minute at most to come back
+
+
+def _malformed_cases(prompt):
+    """(model, inputs builder kwargs/raw) for 1,000 bad requests of many kinds."""
+    import tritonclient.grpc as g
+
+    def inp(name, arr, dt):
+        x = g.InferInput(name, list(arr.shape), dt)
+        x.set_data_from_numpy(arr)
+        return x
+
+    S = lambda *v: np.array([x if isinstance(x, bytes) else str(x).encode() for x in v], dtype=np.object_)  # noqa
+    text = inp("text_input", S("hello"), "BYTES")
+    kinds = [
+        ("llm", [inp("text_input", S(b"\xff\xfe bad utf8"), "BYTES")]),
+        ("llm", [text, inp("max_tokens", np.array([10 ** 9], np.int32), "INT32")]),
+        ("llm", [text, inp("max_tokens", np.array([-5], np.int32), "INT32")]),
+        ("llm", [text, inp("max_tokens", np.array([1.5], np.float32), "FP32")]),  # wrong dtype
+        ("llm", [text, inp("temperature", np.array([[1.0, 2.0]], np.float32), "FP32")]),  # wrong shape
+        ("llm", [inp("input_ids", np.array([10 ** 8], np.int32), "INT32")]),  # out of vocab
+        ("llm", [inp("input_ids", np.array(prompt * 400, np.int32), "INT32")]),  # too long
+        ("llm", [text, inp("transport", S("carrier-pigeon"), "BYTES")]),
+        ("llm", [text, inp("decode_precision", S("fp64"), "BYTES")]),
+        ("llm", []),  # nothing
+        ("llm", [text, inp("top_p", np.array([7.0], np.float32), "FP32")]),
+        ("ensemble", [inp("text_input", S(""), "BYTES")]),
+        ("no_such_model", [text]),
+        ("decode", [inp("op", S("explode"), "BYTES")]),
+        ("decode", [inp("op", S("generate"), "BYTES")]),  # missing request id / ids
+    ]
+    return kinds
+
+
+def test_1000_malformed_requests_clear_errors_servers_alive(cluster, prompt_ids):
+    import queue
+
+    import tritonclient.grpc as g
+
+    prompt = prompt_ids[PROMPTS[0]]
+    kinds = _malformed_cases(prompt)
+    n = 1000
+    urls = {"llm": cluster.prefill_grpc, "ensemble": cluster.prefill_grpc, "no_such_model": cluster.prefill_grpc,
+            "decode": cluster.decode_grpc(0)}
+    clients = {u: g.InferenceServerClient(u) for u in set(urls.values())}
+    qs = {u: queue.Queue() for u in clients}
+    for u, c in clients.items():
+        c.start_stream(callback=lambda result, error, q=qs[u]: q.put((result, error)))
+    sent = {u: 0 for u in clients}
+    t0 = time.time()
+    rng = random.Random(0)
+    for i in range(n):
+        model, ins = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)
+        u = urls[model]
+        clients[u].async_stream_infer(model, ins, request_id=f"bad-{i}", enable_empty_final_response=True)
+        sent[u] += 1
+    errors, oks = [], 0
+    for u, q in qs.items():
+        got = 0
+        while got < sent[u]:
+            try:
+                result, err = q.get(timeout=60)
+            except queue.Empty:
+                raise AssertionError(f"{sent[u] - got} malformed requests to {u} never answered (hang)")
+            if err is not None:
+                errors.append(str(err))
+                got += 1
+            else:
+                final = result.get_response().parameters.get("triton_final_response")
+                if final and final.bool_param:
+                    got += 1
+                    oks += 1
+    dt = time.time() - t0
+    for c in clients.values():
+        c.stop_stream()
+        c.close()
+    print(f"\n1000 malformed requests: {len(errors)} clear errors, {oks} ended without error, {dt:.1f}s")
+    assert len(errors) == n, f"{oks} malformed requests were accepted"
+    assert all(len(e) > 10 for e in errors)
+    for must in ("UTF-8", "max_tokens", "out of range", "exceeds the model context", "transport", "fp64",
+                 "unknown op", "no_such_model"):
+        assert any(must in e for e in errors), f"no error mentions {must!r}"
+    for u in clients:
+        c = g.InferenceServerClient(u)
+        assert c.is_server_ready() and c.is_server_live()
+        c.close()
+    toks, _, err = _stream(cluster.prefill_grpc, prompt, max_tokens=4)
+    assert err is None and len(toks) == 4
+
+
+def _server_pids(proc):
+    """A tritonserver and its python-backend stubs (children)."""
+    pids = [proc.pid]
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1] == str(proc.pid):
+                    pids.append(int(d))
+            except (FileNotFoundError, IndexError, PermissionError, ProcessLookupError):
+                pass
+    return pids
+
+
+def _server_fds(proc):
+    n = 0
+    for p in _server_pids(proc):
+        try:
+            n += len(os.listdir(f"/proc/{p}/fd"))
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def _server_shm(proc):
+    """Shared-memory files mapped by the server processes (Triton's python-backend regions, KV regions)."""
+    out = set()
+    for p in _server_pids(proc):
+        try:
+            for line in open(f"/proc/{p}/maps"):
+                if "/dev/shm/" in line:
+                    out.add(line.split("/dev/shm/", 1)[1].split(" ")[0].strip())
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _soak(cluster, prompt_ids, seconds):
+    """Mixed traffic for `seconds`: streams, early cancels (stop after a few tokens), bad requests."""
+    ids = list(prompt_ids.values())
+    deadline = time.time() + seconds
+    done = {"ok": 0, "cancel": 0, "bad": 0, "err": 0}
+
+    def worker(w):
+        rng = random.Random(w)
+        while time.time() < deadline:
+            r = rng.random()
+            if r < 0.6:
+                toks, _, err = _stream(cluster.prefill_grpc, rng.choice(ids), max_tokens=rng.randint(2, 24),
+                                       kv_dtype=rng.choice(["fp32", "fp16", "int8"]),
+                                       transport=rng.choice(["grpc", "shm"]))
+                done["ok" if err is None else "err"] += 1
+            elif r < 0.8:
+                from hetserve.client import stream
+
+                for i, _ in enumerate(stream(cluster.prefill_grpc, None, input_ids=rng.choice(ids), max_tokens=64,
+                                             ignore_eos=True, timeout_s=60)):
+                    if i >= 2:
+                        break  # the client goes away mid-stream
+                done["cancel"] += 1
+            else:
+                _, _, err = _stream(cluster.prefill_grpc, [10 ** 8])
+                done["bad" if err is not None else "err"] += 1
+
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        list(ex.map(worker, range(4)))
+    return done
+
+
+def _leak_state(cluster):
+    procs = [("prefill", cluster.prefill)] + [(f"decode{i}", d) for i, d in cluster.decode.items()]
+    return {"shm": sorted(set().union(*[_server_shm(p.proc) for _, p in procs])),
+            "fds": {r: _server_fds(p.proc) for r, p in procs}}
+
+
+def _check_no_leaks(cluster, before, seconds, done):
+    def idle():
+        sts = [decode_op(cluster.decode_grpc(i)) for i in cluster.decode]
+        return sts if all(s["running"] == 0 and s["waiting"] == 0 and s["pending_kv"] == 0 for s in sts) else None
+    sts = _wait(idle, 60, "decode servers to drain")
+    after = _leak_state(cluster)
+    snaps = sorted(p.name for p in Path(cluster.snapshot_dir).iterdir())
+    print(f"\nsoak {seconds:.0f}s: {done}; fds before {before['fds']} after {after['fds']}; "
+          f"shm {len(before['shm'])}->{len(after['shm'])}; snapshot files left {len(snaps)}; "
+          f"kv pools {[s.get('kv_pool', {}).get('used_blocks') for s in sts]}")
+    assert done["err"] == 0 and done["ok"] > 0 and done["cancel"] > 0
+    assert after["shm"] == before["shm"], "shared-memory regions leaked"
+    for r, n in after["fds"].items():
+        assert n <= before["fds"][r] + 8, f"{r}: file descriptors grew {before['fds'][r]} -> {n}"
+    assert not [s for s in snaps if s.endswith(".kvsnap")], f"snapshots of finished sequences left: {snaps}"
+    for s in sts:
+        pool = s.get("kv_pool")
+        if pool is not None and "used_blocks" in pool:
+            assert pool["used_blocks"] == 0, f"KV blocks leaked: {pool}"
+
+
+def test_bounded_soak_no_leaks(cluster, prompt_ids):
+    _pool_healthy(cluster, 2)
+    _soak(cluster, prompt_ids, 5)  # warm every path (shm regions, clients) before the baseline
+    _check_no_leaks(cluster, _leak_state(cluster), 5, {"ok": 1, "cancel": 1, "err": 0})
+    before = _leak_state(cluster)
+    secs = float(os.environ.get("HETSERVE_SOAK_S", "40"))
+    done = _soak(cluster, prompt_ids, secs)
+    _check_no_leaks(cluster, before, secs, done)
+
+
+@pytest.mark.slow
+def test_soak_10_minutes(cluster, prompt_ids):
+    before = _leak_state(cluster)
+    done = _soak(cluster, prompt_ids, 600)
+    _check_no_leaks(cluster, before, 600, done)
+
+
+def test_autoscaler_scales_decode_up_under_load_and_back_down(cluster, prompt_ids):
+    """Real processes: the launcher adds a decode server under load and drains one when idle."""
+    _pool_healthy(cluster, 2)
+    pol = ScalePolicy(min_n=1, max_n=3, up_util=0.6, down_util=0.2, up_queue=2, up_after=2, down_after=2,
+                      cooldown_s=1)
+    a = Autoscaler(cluster, pol, interval_s=1)
+    # idle -> one server drained away
+    _wait(lambda: a.tick() == -1 or None, 30, "scale down when idle")
+    assert len(cluster.decode) == 1
+    _pool_healthy(cluster, 1)
+    # load -> a server added
+    ids = list(prompt_ids.values())
+    stop = time.time() + 60
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        futs = [ex.submit(lambda i=i: [_stream(cluster.prefill_grpc, ids[(i + j) % len(ids)], max_tokens=48)
+                                       for j in range(3)]) for i in range(6)]
+        up = None
+        while time.time() < stop and up is None:
+            if a.tick() == +1:
+                up = True
+            time.sleep(1)
+        for f in futs:
+            for toks, _, err in f.result(timeout=300):
+                assert err is None and len(toks) == 48
+    assert up, f"no scale-up; history {a.history[-5:]}"
+    assert len(cluster.decode) == 2
+    _pool_healthy(cluster, 2)
+    utils = [max(s["util"] for s in h["samples"] if s) for h in a.history if any(h["samples"])]
+    print(f"\nautoscaler: decisions {[h['action'] for h in a.history]}, max util seen {max(utils):.2f}")
