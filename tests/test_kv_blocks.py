@@ -100,7 +100,8 @@ def test_torch_arena_same_api_exact():
         assert pool.placement("s") == {"host": 2}
         pool.activate("s")
         k2, v2 = pool.read("s")
-        assert same_bytes(k2, np.concatenate([k, k[:, :, :1]], 2)) and same_bytes(v2, np.concatenate([v, v[:, :, :1]], 2))
+        assert same_bytes(k2, np.concatenate([k, k[:, :, :1]], 2))
+        assert same_bytes(v2, np.concatenate([v, v[:, :, :1]], 2))
     finally:
         pool.close()
 
@@ -328,7 +329,8 @@ def test_scheduler_cancel_frees_blocks(engines, prompt_ids):
     """Cancel running and preempted (swapped-out) sequences mid-flight: the pool returns to zero used blocks."""
     pool = sched_pool(16, host=64)
     results, reasons, stats, pst = run_scheduler(
-        engines, prompt_ids, pool=pool, n=64, cancel_when=lambda s: s.stats["preempted"] >= 1 and s.stats["steps"] >= 12)
+        engines, prompt_ids, pool=pool, n=64,
+        cancel_when=lambda s: s.stats["preempted"] >= 1 and s.stats["steps"] >= 12)
     assert set(reasons.values()) == {"cancelled"} and stats["cancelled"] == 3
     assert all(len(t) < 64 for t in results.values())
     assert pst["used_blocks"] == 0 and set(pst["tier_blocks"].values()) == {0} and pst["sequences"] == 0
@@ -340,11 +342,20 @@ def test_scheduler_admission_errors(engines, prompt_ids):
     pre, dec = engines
     ids = next(iter(prompt_ids.values()))
     lo, k, v = pre.prefill(ids)
-    sched = DecodeScheduler({"fp32": dec}, pool=sched_pool(8), max_queue=1)
+    sched = DecodeScheduler({"fp32": dec}, pool=sched_pool(8))
     try:
         big = Sequence("big", len(ids), [1], SamplingParams(max_tokens=64), "fp32", lambda *a: None, k=k, v=v)
         with pytest.raises(Overloaded, match=r"needs 13 KV blocks .* budget is 8 blocks"):
             sched.submit(big)
+        assert sched.kv_pool.stats()["used_blocks"] == 0
+        done = threading.Event()
+        sched.submit(Sequence("a", len(ids), [1], SamplingParams(max_tokens=8), "fp32",
+                              lambda t, r: r and done.set(), k=k, v=v))
+        with pytest.raises(Overloaded, match="KV pool full"):  # no tier left for a second one's KV
+            sched.submit(Sequence("b", len(ids), [1], SamplingParams(max_tokens=8), "fp32", lambda *a: None,
+                                  k=k, v=v))
+        assert done.wait(60)
+        time.sleep(0.05)
         assert sched.kv_pool.stats()["used_blocks"] == 0
     finally:
         sched.close()
