@@ -235,6 +235,8 @@ def test_pool_from_env_sizes(tmp_path, redis_url):
     finally:
         pool.close()
     assert list(tmp_path.iterdir()) == []  # the disk tier's file goes with the pool
+    with pytest.raises(ValueError, match="HETSERVE_KV_HOST_MB='lots': expected a number"):
+        BlockPool.from_env(cfg, {**env, "HETSERVE_KV_HOST_MB": "lots", "HETSERVE_REDIS_URL": ""})
 
 
 # ---- the decode scheduler on real engines --------------------------------------------------------

@@ -338,19 +338,26 @@ class BlockPool:
         (3600), HETSERVE_KV_DEVICE (auto|cpu|cuda[:n])."""
         env = os.environ if env is None else env
 
+        def num(name, default, conv=float):
+            v = env.get(name) or default  # unset or empty: the default
+            try:
+                return None if v is None else conv(v)
+            except ValueError:
+                raise ValueError(f"{name}={v!r}: expected a number") from None
+
         def mb(name, default):
-            v = env.get(name, default)
-            return None if v in (None, "") else int(float(v) * (1 << 20))
+            v = num(name, default)
+            return None if v is None else int(v * (1 << 20))
 
         return cls.create(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                           device_bytes=mb("HETSERVE_KV_BUDGET_MB", "2048"),
-                          block_tokens=int(env.get("HETSERVE_KV_BLOCK_TOKENS", "16")),
+                          block_tokens=num("HETSERVE_KV_BLOCK_TOKENS", "16", int),
                           host_bytes=mb("HETSERVE_KV_HOST_MB", "1024") or 0,
                           disk_dir=env.get("HETSERVE_KV_DISK_DIR") or None,
                           disk_bytes=mb("HETSERVE_KV_DISK_MB", "4096") or 0,
                           redis_url=env.get("HETSERVE_REDIS_URL") or None,
                           redis_bytes=mb("HETSERVE_KV_REDIS_MB", None),
-                          redis_ttl_s=int(env.get("HETSERVE_KV_REDIS_TTL_S", "3600")),
+                          redis_ttl_s=num("HETSERVE_KV_REDIS_TTL_S", "3600", int),
                           device=env.get("HETSERVE_KV_DEVICE", "auto"))
 
     def close(self) -> None:
