@@ -12,6 +12,12 @@ from .manifest import read_manifest
 
 NEG_INF = np.float32(-1e9)
 
+# ORT graph rewrites we turn off. GatherSliceToSplitFusion turns the 30 per-layer Gathers of past_key/past_value
+# into one Split that copies the whole past KV up front, before layer 0; with plain Gathers each layer copies its
+# slice just before use. Same values; measured on the INT8 decode graph, one core, batch 16 x 192 past tokens:
+# 50 -> 44 ms CPU per step (neutral at batch 1).
+DISABLED_OPTIMIZERS = ("GatherSliceToSplitFusion",)
+
 
 class EngineError(RuntimeError):
     pass
@@ -59,7 +65,8 @@ class Engine:
             so.inter_op_num_threads = 1
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             providers = ["CPUExecutionProvider"]
-            self._sess = ort.InferenceSession(str(self.dir / self.info["file"]), so, providers=providers)
+            self._sess = ort.InferenceSession(str(self.dir / self.info["file"]), so, providers=providers,
+                                              disabled_optimizers=list(DISABLED_OPTIMIZERS))
             self._run = self._run_ort
         elif backend == "tensorrt":  # pragma: no cover - needs a GPU
             from .trt_runtime import TrtRunner
