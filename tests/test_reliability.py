@@ -535,3 +535,40 @@ def test_autoscaler_scales_decode_up_under_load_and_back_down(cluster, prompt_id
     _pool_healthy(cluster, 2)
     utils = [max(s["util"] for s in h["samples"] if s) for h in a.history if any(h["samples"])]
     print(f"\nautoscaler: decisions {[h['action'] for h in a.history]}, max util seen {max(utils):.2f}")
+
+
+def test_breaker_opens_on_live_latency_rejects_at_once_and_recovers(engine_dir, prompt_ids):
+    """A real prefill+decode pair with a 400 ms p99 budget: slow (long-prompt) requests open the breaker, new
+    requests get UNAVAILABLE at once, and after the open period a fast probe closes it."""
+    env = {**RELI_ENV, "HETSERVE_BREAKER_P99_MS": "400", "HETSERVE_BREAKER_MIN_SAMPLES": "3",
+           "HETSERVE_BREAKER_OPEN_S": "3", "HETSERVE_BREAKER_WINDOW_S": "300", "HETSERVE_PREFIX_CACHE_MB": "0"}
+    base = int(os.environ.get("HETSERVE_BREAKER_BASE_PORT", "23000"))
+    short = prompt_ids[PROMPTS[0]]
+    long_ids = (short * 30)[:600]
+    with LocalCluster(engine_dir, base_port=base, n_decode=1, env=env) as c:
+        _wait(lambda: _metric(c.prefill_metrics, "hetserve_decode_servers", state="healthy") == 1, 30, "pool")
+        for _ in range(2):  # warm-up on short prompts: fast, breaker stays closed
+            assert _stream(c.prefill_grpc, short, max_tokens=2)[2] is None
+        assert _metric(c.prefill_metrics, "hetserve_breaker_state") == 0
+        slow = 0
+        for _ in range(6):  # slow requests until the p99 over >= 3 samples crosses 400 ms
+            _, _, err = _stream(c.prefill_grpc, long_ids, max_tokens=2)
+            if err is not None:
+                break
+            slow += 1
+        assert err is not None and "circuit breaker open" in str(err), err
+        assert 1 <= slow <= 3
+        t0 = time.time()
+        _, _, err = _stream(c.prefill_grpc, short, max_tokens=2)
+        rejected_in = time.time() - t0
+        assert err is not None and "circuit breaker open" in str(err) and "p99" in str(err), err
+        assert "UNAVAILABLE" in (err.status or "UNAVAILABLE")
+        assert rejected_in < 0.5, f"rejection took {rejected_in:.2f}s"
+        _wait(lambda: _metric(c.prefill_metrics, "hetserve_breaker_state") == 2, 10, "breaker_state=2 exported")
+        assert _metric(c.prefill_metrics, "hetserve_breaker_rejections_total") >= 1
+        time.sleep(3.2)
+        toks, _, err = _stream(c.prefill_grpc, short, max_tokens=2)  # the half-open probe
+        assert err is None and len(toks) == 2
+        _wait(lambda: _metric(c.prefill_metrics, "hetserve_breaker_state") == 0, 10, "breaker to close")
+        assert _stream(c.prefill_grpc, short, max_tokens=2)[2] is None
+        print(f"\nbreaker: opened after {slow} slow requests, rejected in {rejected_in * 1e3:.0f} ms, closed by a probe")

@@ -256,7 +256,6 @@ class DecodePool:
         with self._lock:
             urls = list(self.members)
         futs = {u: self._exec.submit(self.check, u, self.timeout_s) for u in urls}
-        changed = False
         for u, f in futs.items():
             try:
                 ms = f.result(timeout=self.timeout_s * 3 + 1)
@@ -268,13 +267,13 @@ class DecodePool:
                 if m is None:
                     continue
                 if m.healthy != ok:
-                    changed = True
                     log.warning("decode server %s is %s %s", u, "healthy" if ok else "DOWN", err)
                 m.healthy, m.last_error, m.canary_ms, m.last_check = ok, err, ms, time.time()
                 m.failures = 0 if ok else m.failures + 1
-        if changed and self.on_change:
-            self.on_change(self.snapshot())
-        return self.snapshot()
+        snap = self.snapshot()
+        if self.on_change:  # every round: membership may have changed through the registry
+            self.on_change(snap)
+        return snap
 
     def mark_down(self, url: str, why: str):
         with self._lock:
