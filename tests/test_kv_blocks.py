@@ -372,13 +372,13 @@ def test_e2e_tiny_kv_budget_preempts_with_unchanged_tokens(engine_dir, tmp_path)
     import os
 
     from conftest import PROMPTS
-    from hetserve.client import generate
+    from hetserve.client import GenerationError, generate
     from hetserve.topology import Topology
 
     bb = 2 * 30 * 3 * SCHED_BT * 64 * 4
     env = {"HETSERVE_KV_BUDGET_MB": repr(12 * bb / 2**20), "HETSERVE_KV_BLOCK_TOKENS": str(SCHED_BT),
            "HETSERVE_KV_HOST_MB": "64", "HETSERVE_DECODE_ENGINES": "decode_fp32", "HETSERVE_KV_TIMEOUT_MS": "2000",
-           "HETSERVE_BREAKER_P99_MS": "60000"}
+           "HETSERVE_BREAKER_P99_MS": "60000", "HETSERVE_HEALTH_INTERVAL_S": "1"}
     base = int(os.environ.get("HETSERVE_KV_E2E_BASE_PORT", "38000"))
     topo = Topology(engine_dir, base_port=base, env=env, log_dir=str(tmp_path))
     prompts = PROMPTS[:3]
@@ -387,6 +387,15 @@ def test_e2e_tiny_kv_budget_preempts_with_unchanged_tokens(engine_dir, tmp_path)
         return generate(topo.prefill_grpc, p, max_tokens=48, ignore_eos=True, timeout_s=120).token_ids
 
     with topo:  # starts both servers, stops them on exit
+        deadline = time.monotonic() + 30
+        while True:  # the prefill server's decode health check may have run before decode was up
+            try:
+                generate(topo.prefill_grpc, prompts[0], max_tokens=1, timeout_s=60)
+                break
+            except GenerationError as e:
+                if "no healthy decode server" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         alone = {p: gen(p) for p in prompts}
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
             together = dict(zip(prompts, ex.map(gen, prompts)))
