@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -572,3 +573,36 @@ def test_breaker_opens_on_live_latency_rejects_at_once_and_recovers(engine_dir, 
         _wait(lambda: _metric(c.prefill_metrics, "hetserve_breaker_state") == 0, 10, "breaker to close")
         assert _stream(c.prefill_grpc, short, max_tokens=2)[2] is None
         print(f"\nbreaker: opened after {slow} slow requests, rejected in {rejected_in * 1e3:.0f} ms, closed by a probe")
+
+
+@pytest.mark.skipif(not (shutil.which("nginx") or os.path.exists("/usr/sbin/nginx")), reason="nginx not installed")
+def test_prefill_servers_behind_real_nginx_survive_a_prefill_kill(engine_dir, prompt_ids, reference_tokens):
+    """Two prefill servers behind nginx (least_conn, retry on connect errors) sharing one decode server: both
+    serve, and after kill -9 of one, every new request still succeeds through the balancer."""
+    import socket
+
+    def free():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    base = int(os.environ.get("HETSERVE_LB_BASE_PORT", "24000"))
+    with LocalCluster(engine_dir, base_port=base, n_decode=1, n_prefill=2, env=RELI_ENV) as c:
+        lb = c.start_lb(free(), free())
+        url = f"127.0.0.1:{lb.grpc_port}"
+        ps = PROMPTS[:4]
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            res = list(ex.map(lambda p: _stream(url, prompt_ids[p], max_tokens=8), ps))
+        for p, (toks, _, err) in zip(ps, res):
+            assert err is None and toks == reference_tokens[p][:8]
+        served = [_metric(f"127.0.0.1:{base + 10 * j + 2}", "nv_inference_request_success", model="llm")
+                  for j in range(2)]
+        assert all(n >= 1 for n in served), f"least_conn did not spread the load: {served}"
+        c.prefills[1].kill9()
+        ok = 0
+        for p in PROMPTS[4:10]:
+            toks, _, err = _stream(url, prompt_ids[p], max_tokens=8)
+            assert err is None, f"request lost after a prefill server died: {err}"
+            assert toks == reference_tokens[p][:8]
+            ok += 1
+        print(f"\nnginx LB: requests per prefill server before the kill {served}; {ok}/6 succeeded after it")

@@ -33,7 +33,7 @@ log = logging.getLogger("hetserve.cluster")
 class LocalCluster:
     def __init__(self, engine_dir: str, base_port: int = 8000, n_decode: int = 1, env: Optional[dict] = None,
                  decode_env: Optional[dict] = None, log_dir: Optional[str] = None, pin: bool = True,
-                 run_dir: Optional[str] = None):
+                 run_dir: Optional[str] = None, n_prefill: int = 1):
         self.engine_dir = engine_dir
         self.base_port = base_port
         self.n_initial = n_decode
@@ -44,8 +44,11 @@ class LocalCluster:
         run = Path(run_dir or (REPO_ROOT / ".hetserve" / "run"))
         run.mkdir(parents=True, exist_ok=True)
         self.registry = str(run / f"decode-pool-{base_port}.txt")
-        self.prefill: Optional[TritonProcess] = None
+        self.n_prefill = n_prefill
+        self.prefills: List[TritonProcess] = []  # prefill server j at base+10*j (HTTP), +1 gRPC, +2 metrics
         self.decode: Dict[int, TritonProcess] = {}
+        self.run_dir = run
+        self.lb: Optional["NginxLB"] = None
         self._lock = threading.Lock()
 
     # ---- addresses ------------------------------------------------------------------------------
@@ -57,6 +60,13 @@ class LocalCluster:
 
     def decode_metrics(self, i: int) -> str:
         return f"127.0.0.1:{self.decode_port(i) + 2}"
+
+    @property
+    def prefill(self) -> Optional[TritonProcess]:
+        return self.prefills[0] if self.prefills else None
+
+    def prefill_grpc_of(self, j: int) -> str:
+        return f"127.0.0.1:{self.base_port + 10 * j + 1}"
 
     @property
     def prefill_grpc(self) -> str:
@@ -96,17 +106,24 @@ class LocalCluster:
             procs = {i: TritonProcess(self._decode_spec(i)).start() for i in range(self.n_initial)}
             self.decode.update(procs)
             self._write_registry()
-            b = self.base_port
             env = {**self.env, "HETSERVE_DECODE_URL": "", "HETSERVE_DECODE_REGISTRY": self.registry}
-            self.prefill = TritonProcess(ServerSpec(
-                "prefill", b, b + 1, b + 2, self.engine_dir, cpus=self.cpus["prefill"], env=env,
-                log_file=str(Path(self.log_dir) / f"prefill-cluster-{b}.log"))).start()
-            for p in list(procs.values()) + [self.prefill]:
+            for j in range(self.n_prefill):
+                b = self.base_port + 10 * j
+                self.prefills.append(TritonProcess(ServerSpec(
+                    "prefill", b, b + 1, b + 2, self.engine_dir, cpus=self.cpus["prefill"], env=env,
+                    log_file=str(Path(self.log_dir) / f"prefill-cluster-{b}.log"))).start())
+            for p in list(procs.values()) + self.prefills:
                 p.wait_ready(timeout)
         except Exception:
             self.stop()
             raise
         return self
+
+    def start_lb(self, http_port: int, grpc_port: int) -> "NginxLB":
+        """nginx in front of the prefill servers (least_conn, passive health, retry on connect errors)."""
+        self.lb = NginxLB(self.run_dir / f"nginx-{self.base_port}",
+                          [self.base_port + 10 * j for j in range(self.n_prefill)], http_port, grpc_port).start()
+        return self.lb
 
     def add_decode(self, timeout: float = 300.0) -> int:
         """Start one more decode server; it joins the pool once ready. Returns its index."""
@@ -153,7 +170,9 @@ class LocalCluster:
         self.decode[i].kill9()
 
     def stop(self):
-        procs = ([self.prefill] if self.prefill else []) + list(self.decode.values())
+        if self.lb is not None:
+            self.lb.stop()
+        procs = list(self.prefills) + list(self.decode.values())
         for p in procs:
             try:
                 p.stop()
@@ -165,6 +184,90 @@ class LocalCluster:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class NginxLB:
+    """A real nginx load balancer for local prefill servers (the docker-compose one, pointed at 127.0.0.1)."""
+
+    def __init__(self, root: Path, prefill_http_ports: List[int], http_port: int, grpc_port: int):
+        self.root = Path(root)
+        self.http_ports = prefill_http_ports
+        self.http_port, self.grpc_port = http_port, grpc_port
+        self.proc = None
+
+    def config(self) -> str:
+        http = "\n".join(f"        server 127.0.0.1:{p} max_fails=1 fail_timeout=10s;" for p in self.http_ports)
+        grpc = "\n".join(f"        server 127.0.0.1:{p + 1} max_fails=1 fail_timeout=10s;" for p in self.http_ports)
+        r = self.root
+        return f"""daemon off;
+pid {r}/nginx.pid;
+error_log {r}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {r}/body; proxy_temp_path {r}/proxy; fastcgi_temp_path {r}/fcgi;
+    uwsgi_temp_path {r}/uwsgi; scgi_temp_path {r}/scgi;
+    upstream prefill_http {{
+        least_conn;
+{http}
+    }}
+    upstream prefill_grpc {{
+        least_conn;
+{grpc}
+    }}
+    server {{
+        listen 127.0.0.1:{self.http_port};
+        location / {{
+            proxy_pass http://prefill_http;
+            proxy_http_version 1.1;
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+            proxy_connect_timeout 2s;
+            proxy_next_upstream error timeout http_502 http_503;
+        }}
+    }}
+    server {{
+        listen 127.0.0.1:{self.grpc_port} http2;
+        location / {{
+            grpc_pass grpc://prefill_grpc;
+            grpc_connect_timeout 2s;
+            grpc_read_timeout 600s;
+            grpc_send_timeout 600s;
+            grpc_next_upstream error timeout;
+        }}
+    }}
+}}
+"""
+
+    def start(self, timeout_s: float = 15.0) -> "NginxLB":
+        import shutil
+        import socket
+        import subprocess
+
+        exe = shutil.which("nginx") or "/usr/sbin/nginx"
+        self.root.mkdir(parents=True, exist_ok=True)
+        conf = self.root / "nginx.conf"
+        conf.write_text(self.config())
+        self.proc = subprocess.Popen([exe, "-c", str(conf), "-p", str(self.root)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nginx exited: {(self.root / 'error.log').read_text()[-2000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", self.grpc_port), timeout=0.5).close()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("nginx did not start listening")
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
 
 
 _SAMPLE = re.compile(r'^(hetserve_utilization_ratio|hetserve_queue_depth|hetserve_batch_size)(\{[^}]*\})?\s+(\S+)$')
