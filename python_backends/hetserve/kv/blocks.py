@@ -449,12 +449,16 @@ class BlockPool:
             copied = None
             if part:
                 b = self._blocks[s.blocks[full]]
-                data = self.tiers[b.tier].read([b.slot])
+                data = self._read_tier(b.tier, [b.slot])
                 ti = next((i for i, t in enumerate(self.tiers) if t.free >= 1), None)
                 if ti is None:
                     raise PoolFull("KV pool full: no slot for the forked partial block")
                 slot = self.tiers[ti].alloc(1)
-                self.tiers[ti].write(slot, data)
+                try:
+                    self.tiers[ti].write(slot, data)
+                except Exception:
+                    self.tiers[ti].release(slot)
+                    raise
                 copied = self._new_block(ti, slot[0])
             d = self._seqs[dst] = _Seq(n_tokens=n)
             for bid in s.blocks[:full]:
@@ -550,7 +554,10 @@ class BlockPool:
             own = set(seq.blocks)
             if not self._can_take(0, extra, own):
                 return False
-            self._grow(seq, n_tokens, own)
+            try:
+                self._grow(seq, n_tokens, own)
+            except PoolFull:  # a lower tier failed while taking demoted blocks (e.g. Redis down)
+                return False
             return True
 
     def append(self, seq_ids: Sequence[Hashable], k: np.ndarray, v: np.ndarray) -> None:
