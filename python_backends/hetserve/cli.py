@@ -49,15 +49,42 @@ def _gen_params(args) -> dict:
 
 
 def cmd_up(args) -> int:
+    import threading
+
     from .engines.builder import build_engines
+    from .server import REPO_ROOT
     from .topology import Topology
 
     ed = _engine_dir(args)
     build_engines(args.checkpoint, ed)
-    topo = Topology(ed, base_port=args.base_port, pin=not args.no_pin)
-    print(f"starting decode server (gRPC {topo.decode_grpc}) and prefill server (gRPC {topo.prefill_grpc}, "
-          f"HTTP {topo.prefill_http}) ...", file=sys.stderr)
-    topo.start()
+    env = {"HETSERVE_SNAPSHOT_DIR": args.snapshot_dir or str(REPO_ROOT / ".hetserve" / "snapshots")}
+    scaler = stop_scaler = None
+    if args.decode_servers > 1 or args.autoscale:
+        from .cluster import Autoscaler, LocalCluster, ScalePolicy
+
+        spec = args.autoscale or f"{args.decode_servers}:{args.decode_servers}"
+        try:
+            lo, hi = (int(x) for x in spec.split(":"))
+            if not 1 <= lo <= hi:
+                raise ValueError
+        except ValueError:
+            print(f"hetserve up: --autoscale must be MIN:MAX with 1 <= MIN <= MAX, got {spec!r}", file=sys.stderr)
+            return 1
+        n = min(max(args.decode_servers, lo), hi)
+        topo = LocalCluster(ed, base_port=args.base_port, n_decode=n, env=env, pin=not args.no_pin)
+        print(f"starting {n} decode server(s) (gRPC {', '.join(topo.decode_grpc(i) for i in range(n))}) and the "
+              f"prefill server (gRPC {topo.prefill_grpc}) ...", file=sys.stderr)
+        topo.start()
+        if args.autoscale:
+            scaler = Autoscaler(topo, ScalePolicy(min_n=lo, max_n=hi))
+            stop_scaler = threading.Event()
+            threading.Thread(target=scaler.run, args=(stop_scaler,), daemon=True).start()
+            print(f"autoscaling decode servers between {lo} and {hi}", file=sys.stderr)
+    else:
+        topo = Topology(ed, base_port=args.base_port, pin=not args.no_pin, env=env)
+        print(f"starting decode server (gRPC {topo.decode_grpc}) and prefill server (gRPC {topo.prefill_grpc}, "
+              f"HTTP {topo.prefill_http}) ...", file=sys.stderr)
+        topo.start()
     print("servers ready", file=sys.stderr)
     rc = 0
     try:
@@ -74,6 +101,8 @@ def cmd_up(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        if stop_scaler is not None:
+            stop_scaler.set()
         topo.stop()
     return rc
 
@@ -132,6 +161,9 @@ def main(argv=None) -> int:
     u.add_argument("--no-pin", action="store_true", help="do not pin the servers to separate cores")
     u.add_argument("--prompt", default="What is the capital of France?")
     u.add_argument("--exit-after-prompt", action="store_true")
+    u.add_argument("--decode-servers", type=int, default=1, help="decode servers in the pool (default 1)")
+    u.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale decode servers between MIN and MAX")
+    u.add_argument("--snapshot-dir", help="KV snapshot directory (default .hetserve/snapshots)")
     _add_gen(u)
     u.set_defaults(fn=cmd_up)
     s = sub.add_parser("serve", help="run one tritonserver role in the foreground (containers)")

@@ -220,6 +220,7 @@ class DecodePool:
         self.members: Dict[str, Member] = {}
         self._lock = threading.Lock()
         self._rr = 0
+        self._last_forced = -1e9
         self._stop = threading.Event()
         self._exec = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="health")
         self._sync_members()
@@ -286,6 +287,13 @@ class DecodePool:
             self.on_change(self.snapshot())
 
     def pick(self, exclude: Sequence[str] = ()) -> str:
+        """Least-loaded healthy member. When none is healthy, re-check at once (at most once a second) before
+        giving up, so start-up races and a pool that was marked down passively recover without waiting 5 s."""
+        with self._lock:
+            none = not any(m.healthy and m.url not in exclude for m in self.members.values())
+        if none and time.monotonic() - self._last_forced > 1.0:
+            self._last_forced = time.monotonic()
+            self.check_all()
         with self._lock:
             cands = [m for m in self.members.values() if m.healthy and m.url not in exclude]
             if not cands:
