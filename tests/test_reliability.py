@@ -606,3 +606,32 @@ def test_prefill_servers_behind_real_nginx_survive_a_prefill_kill(engine_dir, pr
             assert toks == reference_tokens[p][:8]
             ok += 1
         print(f"\nnginx LB: requests per prefill server before the kill {served}; {ok}/6 succeeded after it")
+
+
+def test_pool_discovers_members_by_dns_name():
+    pool = DecodePool([], dns="localhost:9001", check=lambda u, t: 1.0, start=False)
+    assert "127.0.0.1:9001" in pool.members
+    pool.close()
+
+
+def test_kubernetes_hpa_mirrors_the_local_autoscaler():
+    import re as _re
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    docs = list(yaml.safe_load_all((root / "deploy" / "k8s" / "decode-hpa.yaml").read_text()))
+    hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
+    svc = next(d for d in docs if d["kind"] == "Service")
+    assert hpa["apiVersion"] == "autoscaling/v2" and svc["spec"]["clusterIP"] == "None"
+    names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+    exported = set(_re.findall(r'"(hetserve_[a-z_]+)":', (root / "python_backends" / "hetserve" / "triton" /
+                                                          "metrics.py").read_text()))
+    assert names == {"hetserve_utilization_ratio", "hetserve_queue_depth"} and names <= exported
+    pol = ScalePolicy()
+    targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]}
+    assert float(targets["hetserve_utilization_ratio"].rstrip("m")) / 1000 == pol.up_util
+    assert float(targets["hetserve_queue_depth"]) == pol.up_queue
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 30
+    rules = yaml.safe_load((root / "deploy" / "k8s" / "prometheus-adapter-rules.yaml").read_text())["rules"]
+    assert {r["name"]["as"] for r in rules} == names

@@ -4,8 +4,8 @@ Both live in the orchestrator (`llm` on the prefill server) and are plain Python
 
 DecodePool
   * members: HETSERVE_DECODE_URL (comma list) plus, when HETSERVE_DECODE_REGISTRY names a file, the URLs in it
-    (one per line or a JSON list; re-read at every health round, which is how the autoscaler adds/removes
-    decode servers; on Kubernetes the same role is played by a headless Service's endpoints).
+    (one per line or a JSON list), plus every address HETSERVE_DECODE_DNS (host:port) resolves to (a
+    Kubernetes headless Service); re-read at every health round, which is how autoscaling adds/removes members.
   * every `interval_s` (default 5 s): Triton server-ready + model-ready + a canary inference (one engine step on
     the decode server, with a deadline), in parallel across members. Failing the check marks a member down;
     passing it brings it back. A request that fails on a member also marks it down at once (passive check).
@@ -171,6 +171,21 @@ def _read_registry(path: Optional[str]) -> List[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
 
 
+def _resolve_all(hostport: Optional[str]) -> List[str]:
+    """Every address behind a name (a Kubernetes headless Service lists one A record per ready pod)."""
+    if not hostport:
+        return []
+    import socket
+
+    host, _, port = hostport.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        log.warning("cannot resolve decode pool name %s", hostport)
+        return []
+    return sorted({f"{i[4][0]}:{i[4][1]}" for i in infos if i[0] == socket.AF_INET})
+
+
 def canary_check(url: str, timeout_s: float) -> float:
     """Triton ready + decode model ready + one canary step on the decode engine (the model is decoupled, so
     over a gRPC stream); returns the canary round trip in ms. Raises on failure or after `timeout_s`."""
@@ -208,11 +223,13 @@ def canary_check(url: str, timeout_s: float) -> float:
 
 
 class DecodePool:
-    def __init__(self, urls: Sequence[str], registry: Optional[str] = None, interval_s: float = 5.0,
+    def __init__(self, urls: Sequence[str], registry: Optional[str] = None, dns: Optional[str] = None,
+                 interval_s: float = 5.0,
                  timeout_s: float = 2.0, check: Callable[[str, float], float] = canary_check,
                  start: bool = True, on_change: Optional[Callable[[Dict[str, Member]], None]] = None):
         self.static = [u for u in urls if u]
         self.registry = registry
+        self.dns = dns
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.check = check
@@ -233,11 +250,12 @@ class DecodePool:
     def from_env(cls, **kw) -> "DecodePool":
         e = os.environ.get
         return cls(e("HETSERVE_DECODE_URL", "127.0.0.1:9001").split(","), registry=e("HETSERVE_DECODE_REGISTRY"),
+                   dns=e("HETSERVE_DECODE_DNS"),
                    interval_s=float(e("HETSERVE_HEALTH_INTERVAL_S", "5")),
                    timeout_s=float(e("HETSERVE_HEALTH_TIMEOUT_S", "2")), **kw)
 
     def _sync_members(self):
-        urls = list(dict.fromkeys(self.static + _read_registry(self.registry)))
+        urls = list(dict.fromkeys(self.static + _read_registry(self.registry) + _resolve_all(self.dns)))
         with self._lock:
             for u in urls:
                 self.members.setdefault(u, Member(u))

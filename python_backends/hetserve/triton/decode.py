@@ -100,7 +100,8 @@ class TritonPythonModel:
                 g.append(("hetserve_kv_tier_blocks", {"tier": tier}, n))
         if self.snapshots is not None:
             g.append(("hetserve_snapshot_age_seconds", {}, self.snapshots.oldest_age_s()))
-        return {"gauges": gauges(g), "busy_seconds": st["step_seconds"]}
+        counters = gauges([("hetserve_kv_preemptions_total", {}, st.get("preempted", 0))])
+        return {"gauges": gauges(g), "counters": counters, "busy_seconds": st["step_seconds"]}
 
     def finalize(self):
         self.poller.close()

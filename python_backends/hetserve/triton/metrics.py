@@ -60,6 +60,8 @@ _SPECS = {
     "hetserve_queue_depth": ("gauge", "Sequences waiting for decode admission", None),
     "hetserve_breaker_state": ("gauge", "Circuit breaker state: 0 closed, 1 half-open, 2 open", None),
     "hetserve_snapshot_age_seconds": ("gauge", "Age of the oldest in-flight KV snapshot (s)", None),
+    "hetserve_kv_preemptions_total": ("counter", "Running sequences swapped down a KV tier (or dropped for "
+                                                 "recompute) to make room", None),
     "hetserve_snapshot_restores_total": ("counter", "Resumed sequences whose KV came from a snapshot", None),
     "hetserve_migrations_total": ("counter", "Streams moved to another decode server mid-generation", None),
     "hetserve_breaker_rejections_total": ("counter", "Requests refused at once by the circuit breaker", None),
