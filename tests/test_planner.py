@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import math
 
@@ -10,10 +11,13 @@ import numpy as np
 import pytest
 
 from hetserve.planner import cli
+from hetserve.planner.measure import (
+    default_holdout, holdout_report, max_holdout_error, median_rse, overlap_tpot, render_holdout,
+)
 from hetserve.planner.model import (
     SLO, Deployment, LengthDist, Measurements, Phase, PhaseCost, SearchSpace, StepCost, Workload,
-    calibrate, default_kv_dtype, fewest_instances, kv_transfer, measurement_predictions, mg1_wait,
-    plan, predict, quantile_points,
+    calibrate, calibrate_link, default_kv_dtype, fewest_instances, kv_transfer, link_transfer_s,
+    measurement_predictions, mg1_wait, plan, predict, predict_points, quantile_points, roofline,
 )
 from hetserve.planner.profiles import (
     HARDWARE, KV_TIERS, LINKS, MODELS, PRECISIONS, HardwareProfile, ModelConfig,
@@ -354,7 +358,10 @@ def test_plan_best_effort_when_infeasible():
 # Calibration
 # ---------------------------------------------------------------------------------------------
 
-TRUTH = dataclasses.replace(HARDWARE["cpu-local"], mfu=0.21, bw_eff=0.33, step_overhead_s=0.003,
+# The single-point synthetic tests use the plain roofline (overlap 1), where a per-step overhead is
+# identifiable; cpu-local itself is additive (overlap 0), tested on per-point tables further down.
+ROOFLINE_CPU = dataclasses.replace(HARDWARE["cpu-local"], overlap=1.0, attn_score_passes=0.0)
+TRUTH = dataclasses.replace(ROOFLINE_CPU, mfu=0.21, bw_eff=0.33, step_overhead_s=0.003,
                             request_overhead_s=0.008)
 TEMPLATE = dict(prefill_tokens_per_s=1.0, decode_step_s_at_batch={"1": 1.0, "4": 1.0, "16": 1.0}, kv_transfer_gbps=24.0,
                 ttft_ms=1.0, tpot_ms=1.0, prompt_tokens=128, output_tokens=64, qps=0.0)
@@ -388,7 +395,7 @@ def _within(profile: HardwareProfile, raw: dict, tol: float) -> None:
 
 def test_calibration_recovers_synthetic_profile():
     raw = _synthetic()
-    base = HARDWARE["cpu-local"]
+    base = ROOFLINE_CPU
     with pytest.raises(AssertionError):
         _within(base, raw, 0.2)  # the uncalibrated table is off by more than 20%
     fitted = calibrate(base, raw)
@@ -401,16 +408,16 @@ def test_calibration_recovers_synthetic_profile():
 
 
 def test_calibration_with_noise_and_partial_measurements():
-    _within(calibrate(HARDWARE["cpu-local"], _synthetic(noise=0.08)), _synthetic(noise=0.08), 0.2)
+    _within(calibrate(ROOFLINE_CPU, _synthetic(noise=0.08)), _synthetic(noise=0.08), 0.2)
     only_latency = _synthetic(prefill_tokens_per_s=None, decode_step_s_at_batch=None)
     assert set(Measurements.from_dict(only_latency).observed()) == {"ttft_s", "tpot_s"}
-    fitted = calibrate(HARDWARE["cpu-local"], only_latency)
+    fitted = calibrate(ROOFLINE_CPU, only_latency)
     _within(fitted, only_latency, 0.2)
 
 
 def test_calibrated_profile_predicts_serving_metrics():
     raw = _synthetic()
-    fitted = calibrate(HARDWARE["cpu-local"], raw)
+    fitted = calibrate(ROOFLINE_CPU, raw)
     meas = Measurements.from_dict(raw)
     m = MODELS["smollm2-135m"]
     link = dataclasses.replace(LINKS["loopback-shm"], efficiency=24 / 8 / LINKS["loopback-shm"].gbytes_per_s)
@@ -462,9 +469,11 @@ def test_cli_bad_input_and_listing(tmp_path):
 
 
 def test_cli_calibrate_round_trip(tmp_path):
-    meas, saved = tmp_path / "meas.json", tmp_path / "cpu.json"
+    meas, saved, roofline = tmp_path / "meas.json", tmp_path / "cpu.json", tmp_path / "roofline.json"
     meas.write_text(json.dumps(_synthetic()))
-    argv = ["--calibrate", str(meas), "--save-profile", str(saved), "--prompt-len", "128", "--output-len", "64",
+    roofline.write_text(json.dumps(ROOFLINE_CPU.to_dict()))
+    argv = ["--hw-file", str(roofline), "--calibrate", str(meas), "--save-profile", str(saved),
+            "--prompt-len", "128", "--output-len", "64",
             "--qps", "0.5", "--ttft-ms", "3000", "--tpot-ms", "200", "--json"]
     rc, text = _run(argv)
     doc = json.loads(text)
@@ -482,3 +491,155 @@ def test_cli_calibrate_round_trip(tmp_path):
 def test_main_entry_point(capsys):
     assert cli.main(["--model", "smollm2-135m", "--hw", "l4", "--tp", "1", "--ttft-ms", "0.001"]) == 2
     assert "BEST EFFORT" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# Additive (CPU) cost model, per-point measurements, hold-out validation
+# ---------------------------------------------------------------------------------------------
+
+SMOL = MODELS["smollm2-135m"]
+
+
+def test_roofline_overlap_and_step_pieces():
+    assert roofline(3.0, 2.0, 1.0) == 3.0 and roofline(3.0, 2.0, 0.0) == 5.0 and roofline(2.0, 3.0, 0.5) == 4.0
+    for overlap in (0.0, 0.4, 1.0):
+        step = StepCost(0.002, 0.03, 0.0004, 0.0015, seq_s=0.003, overlap=overlap)
+        b = np.array([1.0, 3.0, 17.0, 200.0])
+        (c1, s1), (c2, s2) = step.pieces()
+        assert np.allclose(step.time(b), np.maximum(c1 + s1 * b, c2 + s2 * b))
+        batch, tpot = step.operating_point(np.array([50.0]), 512)  # Little's law fixed point
+        assert batch[0] - 1 == pytest.approx(50.0 * tpot[0], rel=1e-9)
+
+
+def test_predict_fixed_decode_batch():
+    cpu = HARDWARE["cpu-local"]
+    dep = Deployment(Phase(cpu, "fp32", "fp32"), Phase(cpu, "fp32", "fp32"), LINKS["loopback-grpc"], layerwise=False)
+    work = _fixed(0.0, 64, 48)
+    step = PhaseCost(SMOL, dep.decode).decode_step(KV_TIERS["device"], 64 + 24)
+    for b in (1, 4, 8):
+        pred = predict(SMOL, dep, work, decode_batch=b)
+        assert pred.decode_batch == b and pred.tpot_s == pytest.approx(float(step.time(b)))
+    assert predict(SMOL, dep, work, decode_batch=1).tpot_s == pytest.approx(predict(SMOL, dep, work).tpot_s)
+    with pytest.raises(ValueError):
+        predict(SMOL, dep, work, decode_batch=0)
+
+
+def test_cpu_profile_is_additive_with_unfused_attention():
+    cpu = HARDWARE["cpu-local"]
+    assert cpu.overlap == 0.0 and cpu.attn_score_passes > 0
+    pc = PhaseCost(SMOL, Phase(cpu, "fp32", "fp32"))
+    p = np.array([16.0, 512.0])
+    memory, compute = pc.prefill_bytes(p) / pc.bytes_per_s, pc.prefill_flops(p) / pc.flops_per_s
+    assert np.allclose(pc.prefill_time(p), memory + compute)  # overheads are 0 in the table
+    scores = cpu.attn_score_passes * 4 * SMOL.layers * SMOL.heads * p ** 2
+    assert np.allclose(pc.prefill_bytes(p) - scores, pc.weight_read_bytes + p * pc.kv_bytes_per_token)
+
+
+# A 'true' CPU box for synthetic per-point measurements (what `hetserve plan --measure` records).
+TRUE_CPU = dataclasses.replace(HARDWARE["cpu-local"], mfu=0.9, bw_eff=0.35, request_overhead_s=0.006,
+                               seq_overhead_s=0.0025, attn_score_passes=11.0)
+TRUE_GRPC = dataclasses.replace(LINKS["loopback-grpc"], efficiency=0.03, latency_s=1e-4)
+PROMPTS, BATCHES = (16, 64, 128, 256, 512), (1, 2, 4, 8)
+
+
+def _per_point(profile=TRUE_CPU, link=TRUE_GRPC, noise=0.0) -> dict:
+    """Per-point measurements the true profile/link would produce (+-noise, alternating)."""
+    skeleton = Measurements.from_dict({
+        "link": "loopback-grpc", "layerwise": False, "kv_dtype": "fp32", "prompt_tokens": 32, "output_tokens": 48,
+        "ttft_ms_at_prompt": {p: 1 for p in PROMPTS}, "prefill_ms_at_prompt": {p: 1 for p in PROMPTS},
+        "tpot_ms_at_batch": {b: 1 for b in BATCHES}})
+    true = predict_points(profile, skeleton, SMOL, link)
+    signs = itertools.cycle([1, -1])
+    ms = {k: v * 1e3 * (1 + noise * next(signs)) for k, v in true.items()}
+    kv = {p * SMOL.kv_bytes_per_token("fp32"): float(link_transfer_s(link, p * SMOL.kv_bytes_per_token("fp32"),
+                                                                       SMOL.layers)) * 1e3 for p in PROMPTS}
+    return {"model": "smollm2-135m", "hardware": "cpu-local", "link": "loopback-grpc", "precision": "fp32",
+            "kv_dtype": "fp32", "layerwise": False, "prompt_tokens": 32, "output_tokens": 48,
+            "ttft_ms_at_prompt": {p: ms[f"ttft_s@P={p}"] for p in PROMPTS},
+            "prefill_ms_at_prompt": {p: ms[f"prefill_s@P={p}"] for p in PROMPTS},
+            "tpot_ms_at_batch": {b: ms[f"tpot_s@b={b}"] for b in BATCHES},
+            "kv_transfer_ms": {"loopback-grpc": {str(k): v for k, v in kv.items()}}}
+
+
+def test_measurements_tables_and_split():
+    raw = _per_point()
+    meas = Measurements.from_dict(json.loads(json.dumps(raw)))  # string keys, as in a JSON file
+    assert meas.prompt_lengths == list(PROMPTS) and meas.batch_sizes == list(BATCHES)
+    assert meas.ttft_s_at_prompt[16] == pytest.approx(raw["ttft_ms_at_prompt"][16] / 1e3)
+    assert not meas.layerwise and len(meas.kv_transfer_s["loopback-grpc"]) == len(PROMPTS)
+    train, test = meas.split([64, 256], [2], SMOL)
+    assert train.prompt_lengths == [16, 128, 512] and test.prompt_lengths == [64, 256]
+    assert train.batch_sizes == [1, 4, 8] and test.batch_sizes == [2]
+    held_bytes = {64 * 46080, 256 * 46080}
+    assert set(test.kv_transfer_s["loopback-grpc"]) == held_bytes
+    assert not held_bytes & set(train.kv_transfer_s["loopback-grpc"])
+    with pytest.raises(ValueError, match="not measured"):
+        meas.split([100])
+    for bad in ({"ttft_ms_at_prompt": {"16": -3}}, {"tpot_ms_at_batch": {"x": 3}}, {"kv_transfer_ms": {"l": {"1": 0}}},
+                {"kv_transfer_ms": {"1000": 5.0}}, {"ttft_ms_at_prompt": [1, 2]}):
+        with pytest.raises(ValueError):
+            Measurements.from_dict(bad)
+
+
+def test_vectorised_predictions_match_predict():
+    meas = Measurements.from_dict(_per_point())
+    fast = measurement_predictions(TRUE_CPU, meas, SMOL, TRUE_GRPC)
+    slow = predict_points(TRUE_CPU, meas, SMOL, TRUE_GRPC)
+    assert set(slow) <= set(fast) and all(fast[k] == pytest.approx(v, rel=1e-12) for k, v in slow.items())
+
+
+def test_link_fit_recovers_latency_and_efficiency():
+    meas = Measurements.from_dict(_per_point())
+    link = calibrate_link(LINKS["loopback-grpc"], meas, SMOL)
+    assert link.efficiency == pytest.approx(TRUE_GRPC.efficiency, rel=1e-6)
+    assert link.latency_s == pytest.approx(TRUE_GRPC.latency_s, rel=1e-6)
+    one = Measurements.from_dict({"link": "loopback-grpc", "kv_transfer_ms": {"loopback-grpc": {"1000000": 5.0}}})
+    fitted = calibrate_link(LINKS["loopback-grpc"], one, SMOL)
+    assert float(link_transfer_s(fitted, 1e6, SMOL.layers)) == pytest.approx(5e-3)
+
+
+def test_calibrate_per_point_recovers_cpu_profile():
+    fitted = calibrate(HARDWARE["cpu-local"], _per_point())
+    for name in ("mfu", "bw_eff", "request_overhead_s", "seq_overhead_s", "attn_score_passes"):
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUE_CPU, name), rel=0.03), name
+    assert fitted.step_overhead_s == 0.0  # not identifiable when memory and compute add (overlap 0)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.05])
+def test_holdout_report_predicts_held_out_points(noise):
+    report = holdout_report(_per_point(noise=noise))
+    assert report["holdout"] == {"prompts": [64, 256], "batches": [2]}
+    held = [r for r in report["points"] if r["held_out"]]
+    assert {r["metric"] for r in held} == {"ttft", "prefill", "tpot"} and len(held) == 2 + 2 + 1
+    assert max_holdout_error(report) < (0.005 if noise == 0 else 0.2)
+    text = render_holdout(report)
+    assert "| ttft | P=64 | held out |" in text and "| tpot | b=2 | held out |" in text
+    assert "loopback-grpc" in text
+
+
+def test_measure_helpers():
+    assert default_holdout([16, 64, 128, 256, 512]) == [64, 256] and default_holdout([1, 2, 4, 8]) == [2]
+    assert default_holdout([1, 8]) == [] and default_holdout([1, 2, 3, 4, 6, 8]) == [2, 4]
+    assert median_rse([1.0, 1.0, 1.0]) == 0.0 and median_rse([1.0]) == math.inf
+    # two streams, 10 ms steps; stream 2 joins 25 ms later; a 200 ms stall outside the common window
+    a = [0.0] + [0.005 + 0.01 * i for i in range(20)]
+    b = [0.02] + [0.03 + 0.01 * i for i in range(20)] + [0.43]
+    r = overlap_tpot([a, b])
+    assert r["tpot_s"] == pytest.approx(0.01) and r["window_s"] == pytest.approx(0.195 - 0.03)
+    late = [1.0, 1.01, 1.02]  # no overlap at all: whole-stream gaps
+    assert overlap_tpot([a, late])["window_s"] == 0.0
+
+
+def test_cli_calibrate_per_point_prints_validation(tmp_path):
+    f = tmp_path / "measured.json"
+    f.write_text(json.dumps(_per_point(noise=0.03)))
+    base = ["--calibrate", str(f), "--prompt-len", "128", "--output-len", "32", "--qps", "0.2",
+            "--ttft-ms", "5000", "--tpot-ms", "500"]
+    rc, text = _run(base)
+    assert rc == 0 and "| ttft | P=64 | held out |" in text and "link loopback-grpc" in text
+    rc, text = _run(base + ["--json", "--holdout-prompts", "16,512", "--holdout-batches", "none"])
+    doc = json.loads(text)
+    assert rc == 0 and doc["validation"]["holdout"] == {"prompts": [16, 512], "batches": []}
+    assert doc["recommendation"]["deployment"]["prefill"]["hardware"] == "cpu-local"
+    assert _run(base + ["--holdout-prompts", "7"])[0] == 1  # not a measured point
+    assert _run(base + ["--holdout-prompts", "a,b"])[0] == 1

@@ -1,17 +1,19 @@
 """Design-space planner for prefill/decode-disaggregated serving (``hetserve plan``).
 
 ``profiles`` holds the model/hardware/link/KV-tier tables, ``model`` the analytical cost model, the
-search (:func:`plan`) and calibration (:func:`calibrate`), ``cli`` the command line.
+search (:func:`plan`) and calibration (:func:`calibrate`), ``measure`` the measurement of live servers
+and the held-out check of the calibration, ``cli`` the command line.
 """
 from .model import (
     SLO, Deployment, LengthDist, Measurements, Phase, PlanResult, PlanWarning, Prediction, SearchSpace,
-    Workload, calibrate, calibrate_link, calibration_report, measurement_predictions, plan, predict,
+    Workload, calibrate, calibrate_link, calibrate_links, calibration_report, measurement_predictions, plan,
+    predict, predict_points,
 )
 from .profiles import HARDWARE, KV_TIERS, LINKS, MODELS, HardwareProfile, KVTier, LinkProfile, ModelConfig
 
 __all__ = [
     "SLO", "Deployment", "LengthDist", "Measurements", "Phase", "PlanResult", "PlanWarning", "Prediction",
-    "SearchSpace", "Workload", "calibrate", "calibrate_link", "calibration_report", "measurement_predictions",
-    "plan", "predict", "HARDWARE", "KV_TIERS", "LINKS", "MODELS", "HardwareProfile", "KVTier", "LinkProfile",
+    "SearchSpace", "Workload", "calibrate", "calibrate_link", "calibrate_links", "calibration_report",
+    "measurement_predictions", "plan", "predict", "predict_points", "HARDWARE", "KV_TIERS", "LINKS", "MODELS", "HardwareProfile", "KVTier", "LinkProfile",
     "ModelConfig",
 ]

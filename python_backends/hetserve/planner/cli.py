@@ -1,7 +1,11 @@
 """``hetserve plan``: recommend a prefill/decode deployment for a model, load and SLOs.
 
+``--measure URL`` first measures the running prefill + decode servers (planner/measure.py),
+``--calibrate FILE`` reads such measurements; either fits the hardware profile and links, reports
+predicted vs measured on held-out points, and then plans with the fitted profile.
+
 Exit status: 0 when a configuration meets the SLOs, 2 when none does (the best effort is still
-printed with its warnings), 1 on invalid input.
+printed with its warnings), 1 on invalid input or a failed measurement.
 """
 from __future__ import annotations
 
@@ -12,9 +16,10 @@ import math
 import sys
 from typing import Any, Optional, Sequence, TextIO
 
+from .measure import MeasureConfig, MeasureError, holdout_report, measure, render_holdout
 from .model import (
     SLO, LengthDist, Measurements, PlanResult, Prediction, SearchSpace, Workload, calibrate,
-    calibrate_link, calibration_report, plan,
+    calibrate_links, calibration_report, plan,
 )
 from .profiles import (
     HARDWARE, KV_TIERS, LINKS, MODELS, PRECISIONS, HardwareProfile, LinkProfile, ModelConfig, check_precision,
@@ -69,8 +74,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"{name} length distribution (default: fixed, lognormal when --{name}-std > 0)")
 
     o = parser.add_argument_group("calibration and output")
-    o.add_argument("--calibrate", metavar="FILE", help="measurements JSON; fits that hardware profile first")
-    o.add_argument("--save-profile", metavar="FILE", help="write the calibrated profile (for --hw-file)")
+    cal = o.add_mutually_exclusive_group()
+    cal.add_argument("--calibrate", metavar="FILE", help="measurements JSON; fits that hardware profile first")
+    cal.add_argument("--measure", metavar="URL",
+                     help="measure the running servers through this prefill gRPC URL (the llm model), then "
+                          "calibrate as --calibrate does")
+    o.add_argument("--decode-url", metavar="URL",
+                   help="decode server gRPC URL for --measure (default: the prefill port + 1000)")
+    o.add_argument("--measure-out", metavar="FILE", help="write the --measure measurements JSON here")
+    defaults = MeasureConfig()
+    o.add_argument("--measure-prompts", default=",".join(map(str, defaults.prompt_lens)),
+                   help="prompt lengths to measure TTFT/prefill/KV at (default %(default)s)")
+    o.add_argument("--measure-batches", default=",".join(map(str, defaults.batches)),
+                   help="concurrent decode streams to measure TPOT at (default %(default)s)")
+    o.add_argument("--measure-transports", default=",".join(defaults.transports),
+                   help="KV transports to time (default %(default)s)")
+    o.add_argument("--repeats", type=int, default=defaults.repeats, help="rounds per point (default %(default)s)")
+    o.add_argument("--quiet-wait", type=float, default=defaults.quiet_wait_s, metavar="S",
+                   help="wait up to S seconds in all for the box to be idle before rounds (default %(default)s)")
+    o.add_argument("--holdout-prompts", default="auto",
+                   help="prompt lengths left out of the fit and predicted: 'auto' (every other interior "
+                        "point), 'none' or a comma list")
+    o.add_argument("--holdout-batches", default="auto", help="the same for decode batch sizes")
+    o.add_argument("--save-profile", metavar="FILE",
+                   help="write the calibrated profile (fitted on all points; for --hw-file)")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--top", type=int, default=5, help="configurations to report (default %(default)s)")
     o.add_argument("--list", action="store_true", help="list models, hardware, links and KV tiers, then exit")
@@ -105,6 +132,32 @@ def _length(args: argparse.Namespace, name: str) -> LengthDist:
     std = getattr(args, f"{name}_std")
     kind = getattr(args, f"{name}_dist") or ("lognormal" if std > 0 else "fixed")
     return LengthDist(getattr(args, f"{name}_len"), std, kind)
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in _names(text))
+    except ValueError:
+        raise ValueError(f"{what}: expected a comma list of integers, got {text!r}") from None
+
+
+def _holdout(text: str, what: str) -> Optional[tuple[int, ...]]:
+    """None: the default choice; () for 'none'."""
+    return None if text == "auto" else () if text == "none" else _ints(text, what)
+
+
+def _measurements(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.measure:
+        return _load_json(args.calibrate)
+    cfg = MeasureConfig(prompt_lens=_ints(args.measure_prompts, "--measure-prompts"),
+                        batches=_ints(args.measure_batches, "--measure-batches"),
+                        transports=tuple(_names(args.measure_transports)), repeats=args.repeats,
+                        quiet_wait_s=args.quiet_wait)
+    raw = measure(args.measure, args.decode_url, cfg, log=lambda msg: print(f"measure: {msg}", file=sys.stderr))
+    if args.measure_out:
+        with open(args.measure_out, "w", encoding="utf-8") as f:
+            json.dump(raw, f, indent=1)
+    return raw
 
 
 def _opt_precision(value: Optional[str]) -> Optional[str]:
@@ -209,15 +262,24 @@ def render_report(result: PlanResult, model: ModelConfig, workload: Workload, sl
 
 
 def render_calibration(report: dict[str, Any], out: TextIO) -> None:
-    print(f"calibrated {report['hardware']} on {report['model']} measurements:", file=out)
+    print(f"calibrated {report['hardware']} on {report['model']} measurements "
+          f"(fitted: {', '.join(report['fitted']) or 'nothing'}):", file=out)
     for name, v in report["parameters"].items():
         print(f"  {name:<19} {v['before']:.4g} -> {v['after']:.4g}", file=out)
-    print(f"  {'link efficiency':<19} {report['link']['name']} {report['link']['efficiency']:.3g}", file=out)
+    for name, link in report["links"].items():
+        print(f"  link {name:<14} efficiency {link['efficiency']:.3g}, latency {link['latency_s'] * 1e6:.0f} us/layer",
+              file=out)
     for key, row in report["fit"].items():
         err = row["error"]
         print(f"  {key:<24} measured {row['measured']:.4g}  predicted {row['predicted']:.4g}"
               f"  ({'n/a' if err is None else f'{err:+.1%}'})", file=out)
     print(file=out)
+
+
+def _validation_json(report: dict[str, Any]) -> dict[str, Any]:
+    """holdout_report without the profile/link objects (they are in ``calibration``)."""
+    return {k: v for k, v in report.items() if k not in ("profile", "links")} | {
+        "links": {n: l.to_dict() for n, l in report["links"].items()}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,16 +296,18 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
         model = _model(args)
         links = dict(LINKS)
         default_hw = [n for n, h in table.items() if h.kind != "cpu"]
-        calibration = None
-        if args.calibrate:
-            raw = _load_json(args.calibrate)
+        calibration = validation = None
+        if args.calibrate or args.measure:
+            raw = _measurements(args)
             meas = Measurements.from_dict(raw)
             base = lookup(table, meas.hardware, "hardware")
             cal_model = lookup(MODELS, meas.model, "model") if "model" in raw else model
+            hp, hb = _holdout(args.holdout_prompts, "--holdout-prompts"), _holdout(args.holdout_batches, "--holdout-batches")
+            if (meas.prompt_lengths or meas.batch_sizes) and (hp != () or hb != ()):
+                validation = holdout_report(meas, hp, hb, base, cal_model)
             fitted = calibrate(base, meas, cal_model)
             table[fitted.name] = fitted
-            link = calibrate_link(lookup(links, meas.link, "link"), meas)
-            links[link.name] = link
+            links.update(calibrate_links(meas, cal_model))
             default_hw = [fitted.name]
             calibration = calibration_report(base, fitted, meas, cal_model)
             if args.save_profile:
@@ -252,7 +316,7 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
         workload = Workload(args.qps, _length(args, "prompt"), _length(args, "output"))
         slo = SLO(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.slo_percentile)
         space = _search_space(args, table, links, default_hw)
-    except (OSError, ValueError, TypeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, TypeError, json.JSONDecodeError, MeasureError) as e:
         print(f"hetserve plan: error: {e}", file=sys.stderr)
         return EXIT_INPUT
 
@@ -262,11 +326,16 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
                **result.to_dict()}
         if calibration:
             doc["calibration"] = calibration
+        if validation:
+            doc["validation"] = _validation_json(validation)
         json.dump(doc, out, indent=2, allow_nan=False)
         print(file=out)
     else:
         if calibration:
             render_calibration(calibration, out)
+        if validation:
+            print(render_holdout(validation), file=out)
+            print(file=out)
         render_report(result, model, workload, slo, out)
     return EXIT_FEASIBLE if result.feasible else EXIT_INFEASIBLE
 

@@ -171,6 +171,13 @@ class HardwareProfile:
     bw_eff: float = 0.8
     step_overhead_s: float = 0.0  # fixed cost per forward pass (launch, framework)
     request_overhead_s: float = 0.0  # fixed cost per request on the TTFT path (RPC, tokenizer)
+    seq_overhead_s: float = 0.0  # fixed cost per sequence per forward pass (sampling, one streamed response)
+    # Share of the shorter of a pass's memory and compute times hidden under the longer: 1 is the
+    # roofline max() (GPU kernels overlap weight streaming with math); 0 makes them add up.
+    overlap: float = 1.0
+    # Memory passes over the materialised P x P fp32 attention scores per layer and head in prefill:
+    # 0 for fused (flash) attention; an unfused MatMul -> Add(mask) -> Softmax -> MatMul graph makes ~6.
+    attn_score_passes: float = 0.0
     source: str = ""
 
     def supports(self, precision: str) -> bool:
@@ -250,15 +257,19 @@ HARDWARE: dict[str, HardwareProfile] = {h.name: h for h in (
     HardwareProfile("ascend910b", _tf(80.0, 320.0, 320.0, None, 640.0), mem_bw_gbs=1600,
                     mem_gb=64, price_per_hour=1.70, host_link="pcie-gen4-x16",
                     kv_layout="paged-nz", source="Huawei Ascend 910B public specs (approximate)"),
-    # A 2-core x86-64 CPU (the local dev box / CI runner). Peak FP32 = 2 cores x 2 FMA pipes x
-    # 8 lanes (AVX2) x 2 FLOP x 3.0 GHz = 192 GFLOPs; INT8 via AVX2 vpmaddubsw ~2x FP32; no native
-    # BF16/FP16/FP8 matmul assumed (hetserve's CPU path runs FP32 with an FP32 KV pool).
-    # Memory: dual-channel DDR4-3200 peak 51.2 GB/s, of which two cores reach well under half.
-    # Run ``hetserve plan --calibrate measurements.json`` to fit mfu/bw_eff/overheads to the box.
+    # A small x86-64 CPU box (the local dev box / CI runner, 2 cores). Peak FP32 = 2 FMA pipes x
+    # 16 lanes (AVX-512; 8 with AVX2 on 2 cores) x 2 FLOP x 3.0 GHz = 192 GFLOPs; INT8 via VNNI ~2x
+    # FP32; no native BF16/FP16/FP8 matmul assumed (hetserve's CPU path runs FP32 with an FP32 KV
+    # pool). Memory: dual-channel DDR4-3200 peak 51.2 GB/s, of which one or two cores reach well
+    # under half. hetserve's local topology pins prefill and decode to one core each, so a "device"
+    # here is what one server gets. ONNX Runtime's small-batch CPU GEMMs stream the weights and
+    # compute on the same core, so memory and compute time add (overlap 0); hetserve's ONNX graph
+    # materialises the attention scores (attn_score_passes 6). Fit mfu/bw_eff/overheads to the box
+    # with ``hetserve plan --measure URL`` or ``--calibrate measurements.json``.
     HardwareProfile("cpu-local", _tf(0.192, None, None, None, 0.384), mem_bw_gbs=51.2, mem_gb=16,
                     price_per_hour=0.10, kind="cpu", host_link=None, host_mem_gb=0.0,
-                    kv_layout="paged-hnd", max_tp=1, mfu=0.3, bw_eff=0.4,
-                    source="AVX2 peak arithmetic; DDR4-3200 dual channel"),
+                    kv_layout="paged-hnd", max_tp=1, mfu=0.3, bw_eff=0.4, overlap=0.0,
+                    attn_score_passes=6.0, source="AVX peak arithmetic; DDR4-3200 dual channel"),
 )}
 
 
@@ -307,6 +318,10 @@ LINKS: dict[str, LinkProfile] = {l.name: l for l in (
     # Same host, shared-memory ring between two processes: bounded by memcpy on a small CPU.
     LinkProfile("loopback-shm", 10.0, 2e-6, efficiency=0.8, per_device=False,
                 hardware=frozenset({"cpu-local"}), tier=0, source="memcpy bandwidth, 2-core host"),
+    # Same host, KV as binary tensors of a Triton gRPC call (hetserve's `grpc` transport): protobuf
+    # and socket copies on top of memcpy; fit it with measured transfers (hetserve plan --measure).
+    LinkProfile("loopback-grpc", 10.0, 50e-6, efficiency=0.1, per_device=False,
+                hardware=frozenset({"cpu-local"}), tier=1, source="memcpy bandwidth, 2-core host; gRPC copies"),
     # Ethernet + kernel TCP: line rate less protocol and copy overhead.
     LinkProfile("tcp-10g", 10 * _GBIT, 50e-6, efficiency=0.7, per_device=False, tier=1,
                 source="10 GbE line rate"),
