@@ -60,7 +60,11 @@ def topology(engine_dir):
 
     base = int(os.environ.get("HETSERVE_TEST_BASE_PORT", "18000"))
     # functional tests: a slow CI box must not trip the latency breaker (tests/test_reliability.py tests it)
-    topo = Topology(engine_dir, base_port=base, env={"HETSERVE_KV_TIMEOUT_MS": "100", "HETSERVE_BREAKER_P99_MS": "60000"})
+    import tempfile
+
+    snaps = tempfile.mkdtemp(prefix="hetserve-snapshots-")
+    topo = Topology(engine_dir, base_port=base, env={"HETSERVE_KV_TIMEOUT_MS": "100", "HETSERVE_BREAKER_P99_MS": "60000",
+                                                     "HETSERVE_SNAPSHOT_DIR": snaps})
     topo.start()
     yield topo
     topo.stop()

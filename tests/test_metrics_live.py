@@ -26,9 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFILL_METRICS = ("hetserve_ttft_seconds", "hetserve_tpot_seconds", "hetserve_kv_transfer_bytes_total",
                    "hetserve_kv_transfer_seconds", "hetserve_kv_transfer_bandwidth_bytes_per_second",
                    "hetserve_kv_transfer_failures_total", "hetserve_kv_prefix_hits_total",
-                   "hetserve_kv_prefix_lookups_total", "hetserve_utilization_ratio")
+                   "hetserve_kv_prefix_lookups_total", "hetserve_utilization_ratio", "hetserve_breaker_state",
+                   "hetserve_decode_servers")
 DECODE_METRICS = ("hetserve_kv_recompute_total", "hetserve_batch_size", "hetserve_queue_depth",
-                  "hetserve_kv_transfer_failures_total", "hetserve_utilization_ratio")
+                  "hetserve_kv_transfer_failures_total", "hetserve_utilization_ratio", "hetserve_kv_tier_blocks",
+                  "hetserve_snapshot_age_seconds", "hetserve_kv_preemptions_total")
 TRITON_METRICS = ("nv_inference_request_success", "nv_inference_request_duration_us", "nv_cpu_utilization")
 
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')

@@ -87,6 +87,8 @@ class TritonPythonModel:
         self.counters = {"recompute": 0, "ingested": 0}
         for reason in ("timeout", "mismatch", "resume"):
             REGISTRY.declare("hetserve_kv_recompute_total", reason=reason)
+        for name in ("hetserve_kv_preemptions_total", "hetserve_snapshot_restores_total"):
+            REGISTRY.declare(name)
         self.poller = Poller(self._sample_metrics, "decode")
 
     def _sample_metrics(self) -> dict:
