@@ -102,9 +102,16 @@ def redis_url(tmp_path_factory):
             time.sleep(0.05)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
+
+
+def stop_process(proc, timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`: for helper servers the tests start (redis, prometheus)."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

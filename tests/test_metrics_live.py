@@ -22,6 +22,8 @@ from hetserve.client import generate
 from hetserve.kv import wire
 from hetserve.kv.transport import KVSender, TransferError
 
+from conftest import stop_process
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFILL_METRICS = ("hetserve_ttft_seconds", "hetserve_tpot_seconds", "hetserve_kv_transfer_bytes_total",
                    "hetserve_kv_transfer_seconds", "hetserve_kv_transfer_bandwidth_bytes_per_second",
@@ -233,9 +235,5 @@ def test_real_prometheus_scrapes_both_servers_and_fires_alert(topology, engine_d
         got = wait_for(firing, 45, "HetserveKVTransferFailures to fire")
         assert got[0]["labels"]["transport"] == "grpc"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()

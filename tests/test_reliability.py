@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetserve.cluster import Autoscaler, LocalCluster, ScalePolicy, decode_op, scrape_decode
+from hetserve.cluster import Autoscaler, LocalCluster, ScalePolicy, decode_op
 from hetserve.kv.snapshot import Snapshotter, SnapshotStore
 from hetserve.reliability import CLOSED, HALF_OPEN, OPEN, BreakerOpen, CircuitBreaker, DecodePool, NoDecodeServer
 

@@ -121,3 +121,29 @@ def generate(url: str, prompt: Optional[str], model: str = "llm", **params) -> G
             g.finish_reason = c.finish_reason
     g.total_s = time.perf_counter() - t0
     return g
+
+
+def stream_once(url: str, model: str, inputs, timeout_s: float, request_id: str = ""):
+    """One request to a decoupled model over its own gRPC stream; returns the first response (the diagnostic ops
+    answer with a single final one). Raises TimeoutError after `timeout_s`, GenerationError on an error."""
+    import tritonclient.grpc as grpcclient
+
+    q: "queue.Queue" = queue.Queue()
+    c = grpcclient.InferenceServerClient(url)
+    try:
+        c.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=timeout_s)
+        c.async_stream_infer(model, inputs, request_id=request_id)
+        try:
+            result, err = q.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"{model} at {url}: no response within {timeout_s:.1f}s") from None
+        if err is not None:
+            msg = err.message() if hasattr(err, "message") else str(err)
+            raise GenerationError(f"{model} at {url}: {msg}", (err.status() if hasattr(err, "status") else "") or "")
+        return result
+    finally:
+        try:
+            c.stop_stream(cancel_requests=True)
+        except Exception:
+            pass
+        c.close()

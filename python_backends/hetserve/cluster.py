@@ -365,24 +365,8 @@ class Autoscaler:
 def decode_op(url: str, op: str = "stats", timeout_s: float = 10.0) -> dict:
     """Run a diagnostic op (stats, info) on a decode server and return its JSON answer."""
     import json
-    import queue
 
-    import tritonclient.grpc as grpcclient
+    from .client import build_inputs, stream_once
 
-    from .client import build_inputs
-
-    c = grpcclient.InferenceServerClient(url)
-    q: "queue.Queue" = queue.Queue()
-    try:
-        c.start_stream(callback=lambda result, error: q.put((result, error)))
-        c.async_stream_infer("decode", build_inputs(None, op=op), request_id=op)
-        result, err = q.get(timeout=timeout_s)
-        if err is not None:
-            raise RuntimeError(f"decode op={op}: {err}")
-        return json.loads(bytes(result.as_numpy("doctor_json").reshape(-1)[0]))
-    finally:
-        try:
-            c.stop_stream()
-        except Exception:
-            pass
-        c.close()
+    r = stream_once(url, "decode", build_inputs(None, op=op), timeout_s, op)
+    return json.loads(bytes(r.as_numpy("doctor_json").reshape(-1)[0]))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import queue
 import re
 import sys
 import time
@@ -460,29 +459,19 @@ class Doctor:
 
     def _decode(self, op, args=None, timeout_s=None, **params) -> dict:
         """One request to the decoupled `decode` model over a gRPC stream; its single final response."""
-        import tritonclient.grpc as grpcclient
+        from .client import stream_once
 
         t = timeout_s or self.timeout_s
-        q: "queue.Queue" = queue.Queue()
-        c = grpcclient.InferenceServerClient(self.decode_url)
         try:
-            c.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=t)
-            c.async_stream_infer("decode", self._inputs(op, args, params))
-            try:
-                r, e = q.get(timeout=t)
-            except queue.Empty:
-                raise DoctorError(f"decode op={op}: no response within {t:.0f}s") from None
-            if e is not None:
-                raise DoctorError(f"decode op={op}: {_err(e)}")
-            out = r.as_numpy("doctor_json")
-            if out is None:
-                raise DoctorError(f"decode op={op}: response has no doctor_json (server too old for doctor?)")
-            return json.loads(out.reshape(-1)[0])
-        finally:
-            try:
-                c.stop_stream()
-            finally:
-                c.close()
+            r = stream_once(self.decode_url, "decode", self._inputs(op, args, params), t)
+        except TimeoutError:
+            raise DoctorError(f"decode op={op}: no response within {t:.0f}s") from None
+        except Exception as e:
+            raise DoctorError(f"decode op={op}: {_err(e)}") from None
+        out = r.as_numpy("doctor_json")
+        if out is None:
+            raise DoctorError(f"decode op={op}: response has no doctor_json (server too old for doctor?)")
+        return json.loads(out.reshape(-1)[0])
 
     def _ping(self, fn) -> dict:
         secs = []

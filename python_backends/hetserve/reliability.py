@@ -189,11 +189,9 @@ def _resolve_all(hostport: Optional[str]) -> List[str]:
 def canary_check(url: str, timeout_s: float) -> float:
     """Triton ready + decode model ready + one canary step on the decode engine (the model is decoupled, so
     over a gRPC stream); returns the canary round trip in ms. Raises on failure or after `timeout_s`."""
-    import queue
-
     import tritonclient.grpc as grpcclient
 
-    from .client import build_inputs
+    from .client import build_inputs, stream_once
 
     c = grpcclient.InferenceServerClient(url)
     try:
@@ -201,25 +199,12 @@ def canary_check(url: str, timeout_s: float) -> float:
             raise RuntimeError("server not ready")
         if not c.is_model_ready("decode", client_timeout=timeout_s):
             raise RuntimeError("model 'decode' not ready")
-        q: "queue.Queue" = queue.Queue()
-        t0 = time.perf_counter()
-        c.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=timeout_s)
-        c.async_stream_infer("decode", build_inputs(None, op="canary"), request_id="canary")
-        try:
-            result, err = q.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"canary got no answer within {timeout_s:.1f}s") from None
-        if err is not None:
-            raise RuntimeError(f"canary failed: {err}")
-        if result.as_numpy("token_ids") is None:
-            raise RuntimeError("canary returned no token")
-        return (time.perf_counter() - t0) * 1e3
     finally:
-        try:
-            c.stop_stream(cancel_requests=True)
-        except Exception:
-            pass
         c.close()
+    t0 = time.perf_counter()
+    if stream_once(url, "decode", build_inputs(None, op="canary"), timeout_s, "canary").as_numpy("token_ids") is None:
+        raise RuntimeError("canary returned no token")
+    return (time.perf_counter() - t0) * 1e3
 
 
 class DecodePool:
