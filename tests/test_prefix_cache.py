@@ -1,6 +1,5 @@
 """Prefix reuse on the prefill server: block hashing, LRU + byte budget, engine-level exactness, and e2e
 (a shared system prompt hits the cache, changes no output, and cuts prefill time)."""
-import time
 import uuid
 
 import numpy as np
