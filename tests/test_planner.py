@@ -643,3 +643,12 @@ def test_cli_calibrate_per_point_prints_validation(tmp_path):
     assert doc["recommendation"]["deployment"]["prefill"]["hardware"] == "cpu-local"
     assert _run(base + ["--holdout-prompts", "7"])[0] == 1  # not a measured point
     assert _run(base + ["--holdout-prompts", "a,b"])[0] == 1
+
+
+def test_cli_measure_bad_url_is_an_input_error():
+    assert _run(["--measure", "nohost"])[0] == 1  # no port: cannot derive the decode URL
+    assert _run(["--measure", "127.0.0.1:1", "--quiet-wait", "0"])[0] == 1  # nothing listens there
+    assert _run(["--measure", "127.0.0.1:1", "--measure-transports", "rdma"])[0] == 1
+    with pytest.raises(SystemExit) as exc:  # argparse: --measure and --calibrate exclude each other
+        _run(["--measure", "127.0.0.1:1", "--calibrate", "x.json"])
+    assert exc.value.code == 2

@@ -11,13 +11,15 @@ Every point goes through the real serving path over Triton gRPC:
   pushes the KV over one transport versus one with ``skip_transfer`` (wire encode + checksum + send +
   ingest on the decode server). The pushed KV is then released on the decode server (a ``decode``
   generate with ``max_tokens=1`` takes it without generating).
-* **TPOT** at each decode batch ``b``: ``b`` concurrent ``llm`` streams; the inter-token time is taken
+* **TPOT** at each decode batch ``b``: ``b`` concurrent ``llm`` streams; the median token gap is taken
   only over the window in which all ``b`` streams are decoding, so it is the decode step time at batch
   ``b`` (admission stagger and the last stragglers are excluded).
 
-Each point is repeated (rounds interleave the points, so drift from other load spreads over all of
-them) and the median is kept. The result is a measurements dict in the format
+Each round visits every point once, in a random order, so load from elsewhere falls on fitted and
+held-out points alike; before a round, while the servers are idle, it waits (bounded) until the box
+is quiet. Each point keeps the median of its rounds. The result is a measurements dict in the format
 :meth:`hetserve.planner.model.Measurements.from_dict` reads, with the raw samples under ``samples``.
+:func:`holdout_report` then calibrates on part of the points and predicts the rest.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class MeasureConfig:
     warmup: int = 2  # unmeasured llm requests first
     decode_prompt: int = 32  # prompt length of the TPOT streams (short: they are admitted one by one)
     output_tokens: int = 48  # tokens per TPOT stream
-    seed: int = 0
+    seed: int = 0  # order of the points within rounds (prompts are always fresh random tokens)
     timeout_s: float = 120.0
     model: str = "smollm2-135m"  # planner model preset the servers run
     hardware: str = "cpu-local"  # planner hardware profile both servers run on
@@ -77,6 +79,9 @@ class MeasureConfig:
 def default_decode_url(prefill_url: str) -> str:
     """The local topology's convention: the decode server's gRPC port is the prefill's + 1000."""
     host, _, port = prefill_url.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"cannot derive the decode server URL from {prefill_url!r} (want host:port); "
+                         f"give it explicitly (--decode-url)")
     return f"{host}:{int(port) + 1000}"
 
 
@@ -112,13 +117,13 @@ def _median(xs: Sequence[float]) -> float:
 
 
 class Prober:
-    """One probe per call against the live servers; every method returns seconds."""
+    """Single probes of the live servers (times in seconds); failures raise :class:`MeasureError`."""
 
     def __init__(self, prefill_url: str, decode_url: str, config: MeasureConfig):
         import tritonclient.grpc as grpcclient
 
         self.prefill_url, self.decode_url, self.cfg = prefill_url, decode_url, config
-        self.rng = np.random.default_rng(config.seed)
+        self.rng = np.random.default_rng()  # fresh entropy: no prompt repeats across measurements either
         self._lock = threading.Lock()
         self._client = grpcclient.InferenceServerClient(prefill_url)
 
@@ -126,7 +131,8 @@ class Prober:
         self._client.close()
 
     def prompt(self, n: int) -> list[int]:
-        """Fresh random token ids: no two probes share a prefix, so no prefix cache can shorten them."""
+        """Fresh random token ids: no two probes share a prefix, so the prefill server's prefix cache
+        cannot shorten them (not within one measurement, nor across repeated ones)."""
         with self._lock:
             return [int(x) for x in self.rng.integers(*TOKEN_RANGE, n)]
 
@@ -136,12 +142,14 @@ class Prober:
                     kv_dtype=c.kv_dtype, decode_precision=c.decode_precision)
 
     def ttft(self, n: int) -> float:
+        from tritonclient.utils import InferenceServerException
+
         from ..client import GenerationError, generate
 
         try:
             g = generate(self.prefill_url, None, model="llm", input_ids=self.prompt(n), timeout_s=self.cfg.timeout_s,
                          **self._llm_params(2))
-        except GenerationError as e:
+        except (GenerationError, InferenceServerException) as e:
             raise MeasureError(f"llm request ({n}-token prompt) failed: {e}") from e
         if g.ttft_s is None or len(g.token_ids) != 2:
             raise MeasureError(f"llm returned {len(g.token_ids)} tokens for max_tokens=2 (ignore_eos)")
@@ -179,13 +187,15 @@ class Prober:
 
     def _release(self, rid: str, ids: list[int], first: int) -> None:
         """Drop the KV a bare prefill call parked on the decode server (no generate will claim it)."""
+        from tritonclient.utils import InferenceServerException
+
         from ..client import GenerationError, stream
 
         try:
             for _ in stream(self.decode_url, None, model="decode", timeout_s=self.cfg.timeout_s, op="generate",
                             request_id=rid, input_ids=ids, output_ids=[first], max_tokens=1):
                 pass
-        except GenerationError as e:
+        except (GenerationError, InferenceServerException) as e:
             raise MeasureError(f"releasing KV {rid} on the decode server failed: {e}") from e
 
     def tpot(self, batch: int) -> dict[str, float]:
@@ -297,7 +307,7 @@ def measure(prefill_url: str, decode_url: Optional[str] = None, config: MeasureC
     def ms(table: Mapping[int, Sequence[float]]) -> dict[str, float]:
         return {str(k): round(_median(v) * 1e3, 3) for k, v in sorted(table.items())}
 
-    kv = {TRANSPORT_LINKS[t]: {str(int(raw["kv_bytes"][n])): round(max(0.0, _median(v)) * 1e3, 3)
+    kv = {TRANSPORT_LINKS[t]: {str(int(raw["kv_bytes"][n])): round(max(1e-6, _median(v)) * 1e3, 3)
                                for n, v in sorted(raw["kv_extra_s"][t].items())} for t in cfg.transports}
     return {
         "model": cfg.model, "hardware": cfg.hardware, "link": TRANSPORT_LINKS[cfg.transport],
