@@ -277,9 +277,13 @@ def render_calibration(report: dict[str, Any], out: TextIO) -> None:
 
 
 def _validation_json(report: dict[str, Any]) -> dict[str, Any]:
-    """holdout_report without the profile/link objects (they are in ``calibration``)."""
-    return {k: v for k, v in report.items() if k not in ("profile", "links")} | {
-        "links": {n: l.to_dict() for n, l in report["links"].items()}}
+    """holdout_report as JSON: profile and links as dicts, non-finite numbers as null."""
+    def finite(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in rows]
+
+    return {**{k: v for k, v in report.items() if k not in ("profile", "links", "points", "kv")},
+            "profile": report["profile"].to_dict(), "links": {n: l.to_dict() for n, l in report["links"].items()},
+            "points": finite(report["points"]), "kv": finite(report["kv"])}
 
 
 # --------------------------------------------------------------------------------------------

@@ -1114,10 +1114,8 @@ def _fit_rows(measured: Mapping[str, float], predicted: Mapping[str, float],
               before: Optional[Mapping[str, float]] = None) -> dict[str, dict[str, Optional[float]]]:
     rows = {}
     for k, v in measured.items():
-        row = {"measured": v, "predicted": _finite(predicted[k]), "error": _finite(predicted[k] / v - 1)}
-        if before is not None:
-            row = {"measured": v, "predicted_before": _finite(before[k]), **{n: row[n] for n in ("predicted", "error")}}
-        rows[k] = row
+        rows[k] = {"measured": v, **({"predicted_before": _finite(before[k])} if before is not None else {}),
+                   "predicted": _finite(predicted[k]), "error": _finite(predicted[k] / v - 1)}
     return rows
 
 
