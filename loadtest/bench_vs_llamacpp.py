@@ -153,6 +153,59 @@ class LlamaBatched:
                        tpot_s=(total - ttft) / max(1, max_tokens - 1)) for _ in prompts]
 
 
+def _batched_worker(conn, *args):
+    try:
+        lb = LlamaBatched(*args)
+        conn.send(("ready", None))
+    except Exception as e:  # report, don't hang the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        try:
+            conn.send(("ok", lb.run(*msg)))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class BatchedProc:
+    """LlamaBatched in its own process, like a server: the benchmark's client threads (gRPC polling threads
+    included) must not steal cycles from llama.cpp's spinning worker threads."""
+
+    def __init__(self, *args):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_batched_worker, args=(child, *args), daemon=True)
+        self.proc.start()
+        self._call(None, wait_only=True)
+
+    def _call(self, msg, wait_only=False):
+        if not wait_only:
+            self.conn.send(msg)
+        if not self.conn.poll(900):
+            raise TimeoutError("llama.cpp batched worker did not answer in 900 s")
+        status, val = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(f"llama.cpp batched worker: {val}")
+        return val
+
+    def run(self, prompts: List[List[int]], max_tokens: int) -> List[Result]:
+        return [Result(r) for r in self._call((prompts, max_tokens))]
+
+    def close(self):
+        try:
+            self.conn.send(None)
+        except Exception:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
 # ---- one level ------------------------------------------------------------------------------------
 def run_level(fn: Callable[[int], Result], streams: int, per_stream: int) -> dict:
     """`streams` concurrent clients, each sending `per_stream` requests back to back (prompt i, i+streams..)."""
@@ -174,7 +227,7 @@ def run_level(fn: Callable[[int], Result], streams: int, per_stream: int) -> dic
     return summarize(results, time.perf_counter() - t0, streams)
 
 
-def run_batched_level(lb: LlamaBatched, prompts: List[List[int]], streams: int, per_stream: int,
+def run_batched_level(lb: "BatchedProc", prompts: List[List[int]], streams: int, per_stream: int,
                       max_tokens: int) -> dict:
     """`streams` sequences started together, `per_stream` times (closed loop, like run_level)."""
     results: List[Result] = []
@@ -312,7 +365,7 @@ def main(argv=None):
           f"max_tokens {a.max_tokens} (fixed length); levels {levels}; {a.requests_per_stream} requests/stream; "
           f"gguf {gguf}", flush=True)
 
-    topo = llama_proc = None
+    topo = llama_proc = lb = None
     ours_opts = {"decode_precision": a.decode_precision, "kv_dtype": a.kv_dtype, "transport": a.transport}
     log_dir = Path(a.json).parent
     try:
@@ -333,7 +386,7 @@ def main(argv=None):
                 url = topo.prefill_grpc
             fns["hetserve"] = lambda i, url=url: run_ours(url, ids[i % len(ids)], a.max_tokens, ours_opts)
         if "llama.cpp-batched" in systems:
-            lb = LlamaBatched(gguf, a.llama_threads, max(levels), max(map(len, ids)) + a.max_tokens + 8)
+            lb = BatchedProc(gguf, a.llama_threads, max(levels), max(map(len, ids)) + a.max_tokens + 8)
             fns["llama.cpp-batched"] = lambda i, lb=lb: lb.run([ids[i % len(ids)]], a.max_tokens)[0]
         if "llama.cpp" in systems:
             lurl = a.llama
@@ -377,6 +430,8 @@ def main(argv=None):
         Path(a.json).write_text(json.dumps(out, indent=2))
         print(f"\nwrote {a.json}")
     finally:
+        if lb is not None:
+            lb.close()
         stop_proc(llama_proc)
         if topo is not None:
             topo.stop()
