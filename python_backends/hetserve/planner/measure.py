@@ -16,8 +16,8 @@ Every point goes through the real serving path over Triton gRPC:
   ``b`` (admission stagger and the last stragglers are excluded).
 
 Each round visits every point once, in a random order, so load from elsewhere falls on fitted and
-held-out points alike; before a round, while the servers are idle, it waits (bounded) until the box
-is quiet. Each point keeps the median of its rounds. The result is a measurements dict in the format
+held-out points alike; before each point, while the servers are idle, it waits (bounded) until the
+box is quiet. Each point keeps the median of its rounds. The result is a measurements dict in the format
 :meth:`hetserve.planner.model.Measurements.from_dict` reads, with the raw samples under ``samples``.
 :func:`holdout_report` then calibrates on part of the points and predicts the rest.
 """
@@ -54,7 +54,7 @@ class MeasureConfig:
     kv_dtype: str = "fp32"
     decode_precision: str = "fp32"
     repeats: int = 3  # rounds (each point once per round, in random order); the median is kept
-    # Before each round (servers idle), wait while other work keeps more than ``quiet_below`` of the
+    # Before each point (servers idle), wait while other work keeps more than ``quiet_below`` of the
     # box's CPU time busy, for at most ``quiet_wait_s`` in all (0: never wait); the load is recorded.
     quiet_below: float = 0.2
     quiet_wait_s: float = 60.0
@@ -101,11 +101,11 @@ def cpu_busy(interval_s: float = 0.5) -> Optional[float]:
     return 1.0 - (i1 - i0) / (t1 - t0) if t1 > t0 else None
 
 
-def wait_for_quiet(below: float, budget_s: float) -> tuple[Optional[float], float]:
+def wait_for_quiet(below: float, budget_s: float, interval_s: float = 0.25) -> tuple[Optional[float], float]:
     """Sample the CPU load until it is under ``below`` or ``budget_s`` is spent: (last load, waited s)."""
     t0 = time.perf_counter()
     while True:
-        busy = cpu_busy()
+        busy = cpu_busy(interval_s)
         waited = time.perf_counter() - t0
         if busy is None or busy < below or waited >= budget_s:
             return busy, waited
@@ -277,11 +277,11 @@ def measure(prefill_url: str, decode_url: Optional[str] = None, config: MeasureC
         order = np.random.default_rng(cfg.seed + 1)
         budget = cfg.quiet_wait_s
         for rnd in range(1, cfg.repeats + 1):
-            busy, waited = wait_for_quiet(cfg.quiet_below, budget)
-            budget -= waited
-            raw["rounds"].append({"cpu_busy_before": None if busy is None else round(busy, 3),
-                                  "waited_s": round(waited, 1)})
+            loads, waited = [], 0.0
             for i in order.permutation(len(tasks)):
+                busy, w = wait_for_quiet(cfg.quiet_below, budget)
+                budget, waited = budget - w, waited + w
+                loads.append(busy)
                 kind, n = tasks[i]
                 if kind == "batch":
                     r = probe.tpot(n)
@@ -299,8 +299,11 @@ def measure(prefill_url: str, decode_url: Optional[str] = None, config: MeasureC
                     raw["kv_bytes"][n] = p["kv_bytes"]
                     raw["kv_extra_s"][t].setdefault(n, []).append(p["round_trip_s"] - p["prefill_s"] - overhead)
                     raw["kv_send_s"][t].setdefault(n, []).append(p["send_s"])
-            say(f"round {rnd}/{cfg.repeats} done ({time.perf_counter() - t_start:.0f} s; "
-                f"box {'?' if busy is None else f'{busy:.0%}'} busy before it, waited {waited:.0f} s)")
+            worst = max((x for x in loads if x is not None), default=None)
+            raw["rounds"].append({"cpu_busy_before_max": None if worst is None else round(worst, 3),
+                                  "waited_s": round(waited, 1)})
+            say(f"round {rnd}/{cfg.repeats} done ({time.perf_counter() - t_start:.0f} s; box at most "
+                f"{'?' if worst is None else f'{worst:.0%}'} busy before its points, waited {waited:.0f} s)")
     finally:
         probe.close()
 
