@@ -1,21 +1,27 @@
 #!/usr/bin/env python3
-"""hetserve vs llama.cpp (llama-cpp-python server), side by side in one run. Not a CI test.
+"""hetserve vs llama.cpp, side by side in one run. Not a CI test.
 
-Both systems get the same chat-templated prompts, the same fixed output length (hetserve `ignore_eos`,
+Systems: `hetserve` (our prefill + decode Triton servers), `llama.cpp` (the llama-cpp-python HTTP server,
+`python -m llama_cpp.server`, same GGUF, `--n_threads 2 --n_threads_batch 2`) and `llama.cpp-batched`
+(llama.cpp's own multi-sequence batching driven through the llama-cpp-python C API in a separate process:
+what `llama-server -np N` would do, minus HTTP; the upper bound for a llama.cpp server with parallel slots).
+llama-cpp-python's server has no `--n_parallel`: one lock around the model serves concurrent streams one
+after another (`--interrupt_requests False` makes them queue instead of cancelling each other).
+
+All get the same chat-templated prompts (token ids for hetserve and the batched engine, the same text for the
+HTTP server, which tokenizes it to the same ids), the same fixed output length (hetserve `ignore_eos`,
 llama.cpp `min_tokens` = `max_tokens`), greedy decoding, streaming. For each concurrency level (default
 1, 4, 16 streams) every stream sends `--requests-per-stream` requests back to back; per level we report
-aggregate output tok/s (all output tokens / wall time of the level), TTFT p50/p99 and TPOT p50. The two
-systems alternate per level (`--rounds` repeats), so background load hits both alike.
+aggregate output tok/s (all output tokens / wall time of the level), TTFT p50/p99 and TPOT p50. The
+systems alternate per level (`--rounds` repeats; per-round medians are reported), so background load hits
+them alike.
 
-    python loadtest/bench_vs_llamacpp.py                       # starts both servers (ports 48000.. / 48500)
+    python loadtest/bench_vs_llamacpp.py                       # starts all servers (ports 48000.. / 48500)
     python loadtest/bench_vs_llamacpp.py --ours 127.0.0.1:8001 --llama http://127.0.0.1:8080
-    python loadtest/bench_vs_llamacpp.py --levels 16 --max-tokens 128 --json out.json
+    python loadtest/bench_vs_llamacpp.py --levels 16 --max-tokens 128 --rounds 3 --json out.json
 
-hetserve: prefill server and decode server pinned to one core each (the local Topology), decode at INT8
-(best measured config; see loadtest/README.md). llama.cpp: `python -m llama_cpp.server` with the same GGUF,
-`--n_threads 2 --n_threads_batch 2` (both cores). llama-cpp-python's server has no `--n_parallel`: it holds
-one lock around the model, so concurrent streams are served one after another (`--interrupt_requests False`
-makes them queue instead of cancelling each other).
+hetserve: prefill server and decode server pinned to one core each (the local Topology), INT8 decode, fp16 KV
+over shm, HETSERVE_MAX_BATCH=16, prefix cache on (loadtest/README.md has the config sweep).
 """
 from __future__ import annotations
 
@@ -251,14 +257,15 @@ def summarize(results: List[Result], wall: float, streams: int) -> dict:
 
 
 def merge(rounds: List[dict]) -> dict:
-    """Several rounds of one level: pooled tokens / summed wall; medians of the per-round latencies."""
+    """Several rounds of one level: medians of the per-round figures (robust to a round hit by a burst of
+    background load), plus the pooled tok/s (all tokens / summed wall)."""
     if len(rounds) == 1:
         return rounds[0]
     out = dict(rounds[0])
     for k in ("requests", "errors", "output_tokens", "wall_s"):
         out[k] = sum(r[k] for r in rounds)
-    out["tok_s"] = round(out["output_tokens"] / out["wall_s"], 1)
-    for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms"):
+    out["tok_s_pooled"] = round(out["output_tokens"] / out["wall_s"], 1)
+    for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms"):
         vals = [r[k] for r in rounds if r[k] is not None]
         out[k] = round(float(np.median(vals)), 1) if vals else None
     out["rounds"] = rounds
