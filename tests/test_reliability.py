@@ -635,3 +635,26 @@ def test_kubernetes_hpa_mirrors_the_local_autoscaler():
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 30
     rules = yaml.safe_load((root / "deploy" / "k8s" / "prometheus-adapter-rules.yaml").read_text())["rules"]
     assert {r["name"]["as"] for r in rules} == names
+
+
+def test_pool_concurrent_pickers_share_one_recheck_when_all_down():
+    """Start-up race: every member failed the first round; a burst of requests must wait for one re-check."""
+    up = {"ok": False}
+    calls = []
+
+    def check(url, timeout):
+        calls.append(url)
+        time.sleep(0.2)
+        if not up["ok"]:
+            raise ConnectionError("connection refused")
+        return 1.0
+
+    pool = DecodePool(["a:1"], check=check, start=False)
+    pool.check_all()
+    assert not pool.members["a:1"].healthy
+    up["ok"] = True
+    calls.clear()
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(lambda _: pool.pick(), range(16)))
+    assert got == ["a:1"] * 16 and len(calls) == 1
+    pool.close()

@@ -223,6 +223,7 @@ class DecodePool:
         self._lock = threading.Lock()
         self._rr = 0
         self._last_forced = -1e9
+        self._force_lock = threading.Lock()
         self._stop = threading.Event()
         self._exec = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="health")
         self._sync_members()
@@ -289,14 +290,18 @@ class DecodePool:
         if self.on_change:
             self.on_change(self.snapshot())
 
+    def _any_healthy(self, exclude: Sequence[str]) -> bool:
+        with self._lock:
+            return any(m.healthy and m.url not in exclude for m in self.members.values())
+
     def pick(self, exclude: Sequence[str] = ()) -> str:
         """Least-loaded healthy member. When none is healthy, re-check at once (at most once a second) before
         giving up, so start-up races and a pool that was marked down passively recover without waiting 5 s."""
-        with self._lock:
-            none = not any(m.healthy and m.url not in exclude for m in self.members.values())
-        if none and time.monotonic() - self._last_forced > 1.0:
-            self._last_forced = time.monotonic()
-            self.check_all()
+        if not self._any_healthy(exclude):
+            with self._force_lock:  # concurrent pickers wait for one re-check instead of failing
+                if not self._any_healthy(exclude) and time.monotonic() - self._last_forced > 1.0:
+                    self.check_all()
+                    self._last_forced = time.monotonic()
         with self._lock:
             cands = [m for m in self.members.values() if m.healthy and m.url not in exclude]
             if not cands:

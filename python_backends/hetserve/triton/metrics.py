@@ -83,6 +83,7 @@ class Registry:
         self._families: Dict[str, object] = {}
         self._metrics: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], object] = {}
         self._lock = threading.Lock()
+        self._op_lock = threading.Lock()
         self.enabled = os.environ.get("HETSERVE_METRICS", "1") != "0"
 
     def metric(self, name: str, **labels):
@@ -108,7 +109,8 @@ class Registry:
         if not self.enabled:
             return
         try:
-            fn()
+            with self._op_lock:  # one metric IPC to the Triton core at a time (request threads + poller)
+                fn()
         except Exception:  # metrics must never fail a request
             log.debug("metric update failed", exc_info=True)
 
