@@ -237,3 +237,23 @@ def test_real_prometheus_scrapes_both_servers_and_fires_alert(topology, engine_d
     finally:
         stop_process(proc)
         log.close()
+
+
+def test_metrics_survive_16_concurrent_streams(topology):
+    """Regression: metric updates from many request threads at once crashed the prefill server (SIGSEGV in
+    libtriton_python.so); updates are serialized now. 3 rounds x 16 concurrent streams, metrics on."""
+    import concurrent.futures
+
+    pm, _ = ports(topology)
+    before = total(scrape(pm), "hetserve_ttft_seconds_count", model="llm")
+
+    def one(i):
+        g = generate(topology.prefill_grpc, f"Count to {i}.", max_tokens=16, ignore_eos=True, timeout_s=120,
+                     decode_precision="int8", transport="shm", kv_dtype="fp16")
+        return len(g.token_ids)
+
+    for _ in range(3):
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            assert list(ex.map(one, range(16))) == [16] * 16
+        assert topology.servers["prefill"].alive() and topology.servers["decode"].alive()
+    assert total(scrape(pm), "hetserve_ttft_seconds_count", model="llm") == before + 48
