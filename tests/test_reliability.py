@@ -344,6 +344,8 @@ def test_1000_malformed_requests_clear_errors_servers_alive(cluster, prompt_ids)
 
     import tritonclient.grpc as g
 
+    from hetserve.client import stream_once
+
     prompt = prompt_ids[PROMPTS[0]]
     kinds = _malformed_cases(prompt)
     n = 1000
@@ -356,12 +358,22 @@ def test_1000_malformed_requests_clear_errors_servers_alive(cluster, prompt_ids)
     sent = {u: 0 for u in clients}
     t0 = time.time()
     rng = random.Random(0)
+    unknown_model_errors = []
     for i in range(n):
         model, ins = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)
         u = urls[model]
+        if model == "no_such_model":
+            # Own stream per request: Triton 2.51's gRPC frontend aborts (ASSERTION FAILED !byte_buffer->Valid())
+            # when an unknown-model rejection is written on a stream that also carries model responses
+            # (reproduced here; upstream bug, see docs/reliability.md).
+            try:
+                stream_once(u, model, ins, 30)
+            except Exception as e:
+                unknown_model_errors.append(str(e))
+            continue
         clients[u].async_stream_infer(model, ins, request_id=f"bad-{i}", enable_empty_final_response=True)
         sent[u] += 1
-    errors, oks = [], 0
+    errors, oks = list(unknown_model_errors), 0
     for u, q in qs.items():
         got = 0
         while got < sent[u]:
@@ -442,7 +454,7 @@ def _soak(cluster, prompt_ids, seconds):
         while time.time() < deadline:
             r = rng.random()
             if r < 0.6:
-                toks, _, err = _stream(cluster.prefill_grpc, rng.choice(ids), max_tokens=rng.randint(2, 24),
+                toks, _, err = _stream(cluster.prefill_grpc, rng.choice(ids), max_tokens=rng.randint(1, 24),
                                        kv_dtype=rng.choice(["fp32", "fp16", "int8"]),
                                        transport=rng.choice(["grpc", "shm"]))
                 done["ok" if err is None else "err"] += 1
@@ -473,7 +485,10 @@ def _check_no_leaks(cluster, before, seconds, done):
     def idle():
         sts = [decode_op(cluster.decode_grpc(i)) for i in cluster.decode]
         return sts if all(s["running"] == 0 and s["waiting"] == 0 and s["pending_kv"] == 0 for s in sts) else None
-    sts = _wait(idle, 60, "decode servers to drain")
+    try:
+        sts = _wait(idle, 60, "decode servers to drain")
+    except AssertionError:
+        raise AssertionError(f"decode servers did not drain: {[decode_op(cluster.decode_grpc(i)) for i in cluster.decode]}")
     after = _leak_state(cluster)
     snaps = sorted(p.name for p in Path(cluster.snapshot_dir).iterdir())
     print(f"\nsoak {seconds:.0f}s: {done}; fds before {before['fds']} after {after['fds']}; "
@@ -514,8 +529,9 @@ def test_autoscaler_scales_decode_up_under_load_and_back_down(cluster, prompt_id
                       cooldown_s=1)
     a = Autoscaler(cluster, pol, interval_s=1)
     # idle -> one server drained away
-    _wait(lambda: a.tick() == -1 or None, 30, "scale down when idle")
-    assert len(cluster.decode) == 1
+    # idle -> drained to the minimum (a busy tail from earlier tests may first scale up: wait for the net result)
+    _wait(lambda: (a.tick(), len(cluster.decode) == 1)[1], 90, f"scale down to 1 when idle ({a.history[-3:]})")
+    assert -1 in [h["action"] for h in a.history]
     _pool_healthy(cluster, 1)
     # load -> a server added
     ids = list(prompt_ids.values())

@@ -263,13 +263,24 @@ class TritonPythonModel:
                     sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("token_ids", np.zeros(0, np.int32))]),
                                 flags=FINAL)
                 elif op == "generate":
-                    self._generate(r, sender)
+                    try:
+                        self._generate(r, sender)
+                    except Exception:  # refused: drop any KV already pushed for it (else it waits for its TTL)
+                        self.pending.take(scalar(r, "request_id", "", str) or "", 0)
+                        raise
                 elif op in ("info", "verify"):  # `hetserve doctor` (doctor.py)
                     self._doctor(op, r, sender)
+                elif op == "release":  # the orchestrator will not decode this request: drop its pushed KV
+                    rid = scalar(r, "request_id", None, str)
+                    if not rid:
+                        raise RequestError("op=release needs 'request_id'")
+                    self.pending.take(rid, 0)
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("token_ids", np.zeros(0, np.int32))]),
+                                flags=FINAL)
                 elif op == "stats":  # leak checks, soak tests, operators
                     self._send_json(sender, self._stats())
                 else:
-                    raise RequestError(f"unknown op {op!r}; use generate, ingest, canary, stats, info or verify")
+                    raise RequestError(f"unknown op {op!r}; use generate, ingest, release, canary, stats, info or verify")
             except Exception as e:
                 if classify(e) == pb_utils.TritonError.INTERNAL:
                     log.exception("decode request failed")

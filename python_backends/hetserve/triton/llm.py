@@ -155,6 +155,17 @@ class TritonPythonModel:
         pf_in += [pb_utils.Tensor(n, a) for n, a in sampling_tensors(params)]
         return int(_bls("prefill", pf_in, ["first_token", "transfer_ok"])["first_token"].reshape(-1)[0])
 
+    def _release(self, url, rid):
+        """Tell the decode server to drop KV it holds for `rid` (off this thread; best effort, else its TTL)."""
+        from ..client import build_inputs, stream_once
+
+        def go():
+            try:
+                stream_once(url, "decode", build_inputs(None, op="release", request_id=rid), 10.0, rid)
+            except Exception as e:
+                log.info("release of %s on %s failed (%s); its pending TTL frees it", rid, url, e)
+        threading.Thread(target=go, daemon=True).start()
+
     def _decode(self, sender, streamer, rid, prompt, tokens, params, precision, lease):
         """Stream from decode servers until the sequence ends; on failure migrate to another server.
         lease[0] is the pool member in use (released by the caller)."""
@@ -219,7 +230,9 @@ class TritonPythonModel:
             probe = False
             stop_now = is_stop_token(first, params, self.cfg.eos_token_ids) or params.max_tokens == 1
             if not streamer.push([first], ("stop" if is_stop_token(first, params, self.cfg.eos_token_ids)
-                                           else "length") if stop_now else None):
+                                           else "length") if stop_now else None) \
+                    or getattr(sender, "is_cancelled", lambda: False)():
+                self._release(lease[0], rid)  # no decode for this request: free the KV pushed to decode
                 return
             self._decode(sender, streamer, rid, prompt, [first], params, precision, lease)
         except Exception as e:
