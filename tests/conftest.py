@@ -1,5 +1,7 @@
 import os
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +117,40 @@ def stop_process(proc, timeout_s: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+# ---- helpers shared by the live tests ---------------------------------------------------------
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
+
+
+def scrape(target) -> dict:
+    """{(name, frozenset(labels)): value} from a Prometheus text endpoint (a port on 127.0.0.1, or host:port)."""
+    import urllib.request
+
+    addr = f"127.0.0.1:{target}" if isinstance(target, int) else target
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def total(samples: dict, name: str, **want) -> float:
+    w = set((k, str(v)) for k, v in want.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and w <= lab)
+
+
+def wait_for(fn, timeout_s: float, what: str, interval: float = 0.25):
+    """Poll fn() until it returns something truthy (returned), else fail naming `what`."""
+    deadline = time.time() + timeout_s
+    last = None
+    while time.time() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")

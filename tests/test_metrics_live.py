@@ -22,7 +22,7 @@ from hetserve.client import generate
 from hetserve.kv import wire
 from hetserve.kv.transport import KVSender, TransferError
 
-from conftest import stop_process
+from conftest import scrape, stop_process, total, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFILL_METRICS = ("hetserve_ttft_seconds", "hetserve_tpot_seconds", "hetserve_kv_transfer_bytes_total",
@@ -35,27 +35,6 @@ DECODE_METRICS = ("hetserve_kv_recompute_total", "hetserve_batch_size", "hetserv
                   "hetserve_snapshot_age_seconds", "hetserve_kv_preemptions_total")
 TRITON_METRICS = ("nv_inference_request_success", "nv_inference_request_duration_us", "nv_cpu_utilization")
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
-
-
-def scrape(port: int) -> dict:
-    """{(name, frozenset(labels)): value} from a Prometheus text endpoint."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if not m or line.startswith("#"):
-            continue
-        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        out[(m.group(1), labels)] = float(m.group(3))
-    return out
-
-
-def total(samples: dict, name: str, **want) -> float:
-    w = set((k, str(v)) for k, v in want.items())
-    return sum(v for (n, lab), v in samples.items() if n == name and w <= lab)
-
-
 def names(samples: dict) -> set:
     base = set()
     for n, _ in samples:
@@ -66,17 +45,6 @@ def names(samples: dict) -> set:
 
 def ports(topo):
     return topo.base_port + 2, topo.base_port + 1002
-
-
-def wait_for(fn, timeout_s: float, what: str, interval: float = 0.5):
-    deadline = time.time() + timeout_s
-    last = None
-    while time.time() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
 
 
 def test_custom_metrics_count_real_traffic(topology, prompt_ids, engine_dir):

@@ -18,7 +18,7 @@ from hetserve.cluster import Autoscaler, LocalCluster, ScalePolicy, decode_op
 from hetserve.kv.snapshot import Snapshotter, SnapshotStore
 from hetserve.reliability import CLOSED, HALF_OPEN, OPEN, BreakerOpen, CircuitBreaker, DecodePool, NoDecodeServer
 
-from conftest import PROMPTS
+from conftest import PROMPTS, scrape, total, wait_for
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -225,31 +225,13 @@ def _stream(url, ids, max_tokens=N_TOK, on_token=None, **kw):
 
 
 def _metric(metrics_url, name, **labels):
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5).read().decode()
-    tot = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                tot += float(line.rsplit(" ", 1)[1])
-    return tot
-
-
-def _wait(fn, timeout_s, what):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
+    return total(scrape(metrics_url), name, **labels)
 
 
 def _pool_healthy(cluster, n):
     def ok():
         return _metric(cluster.prefill_metrics, "hetserve_decode_servers", state="healthy") == n
-    _wait(ok, 30, f"{n} healthy decode servers in the orchestrator's pool")
+    wait_for(ok, 30, f"{n} healthy decode servers in the orchestrator's pool")
 
 
 def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids, reference_tokens):
@@ -260,7 +242,7 @@ def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
         futs = {p: ex.submit(_stream, cluster.prefill_grpc, prompt_ids[p],
                              on_token=lambda n, p=p: started.__setitem__(p, n)) for p in prompts}
-        _wait(lambda: min(started.values()) >= 8, 60, "all streams to be 8 tokens in")
+        wait_for(lambda: min(started.values()) >= 8, 60, "all streams to be 8 tokens in")
         time.sleep(0.4)  # let a snapshot round land
         victim = 0
         cluster.kill9(victim)
@@ -292,13 +274,13 @@ def test_hung_decode_server_is_routed_around(cluster, prompt_ids, reference_toke
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
             futs = {p: ex.submit(_stream, cluster.prefill_grpc, prompt_ids[p],
                                  on_token=lambda n, p=p: started.__setitem__(p, n)) for p in prompts}
-            _wait(lambda: min(started.values()) >= 4, 60, "streams to start")
+            wait_for(lambda: min(started.values()) >= 4, 60, "streams to start")
             os.killpg(proc.pid, signal.SIGSTOP)  # alive but unresponsive: the hard case
             results = {p: f.result(timeout=120) for p, f in futs.items()}
         for p, (toks, reason, err) in results.items():
             assert err is None, f"{p!r}: {err}"
             assert toks == reference_tokens[p][:N_TOK]
-        _wait(lambda: _metric(cluster.prefill_metrics, "hetserve_decode_servers", state="down") >= 1, 30,
+        wait_for(lambda: _metric(cluster.prefill_metrics, "hetserve_decode_servers", state="down") >= 1, 30,
               "the health check to mark the hung server down")
         t0 = time.time()
         toks, _, err = _stream(cluster.prefill_grpc, prompt_ids[PROMPTS[8]])  # new work avoids it at once
@@ -486,7 +468,7 @@ def _check_no_leaks(cluster, before, seconds, done):
         sts = [decode_op(cluster.decode_grpc(i)) for i in cluster.decode]
         return sts if all(s["running"] == 0 and s["waiting"] == 0 and s["pending_kv"] == 0 for s in sts) else None
     try:
-        sts = _wait(idle, 60, "decode servers to drain")
+        sts = wait_for(idle, 60, "decode servers to drain")
     except AssertionError:
         raise AssertionError(f"decode servers did not drain: {[decode_op(cluster.decode_grpc(i)) for i in cluster.decode]}")
     after = _leak_state(cluster)
@@ -530,7 +512,7 @@ def test_autoscaler_scales_decode_up_under_load_and_back_down(cluster, prompt_id
     a = Autoscaler(cluster, pol, interval_s=1)
     # idle -> one server drained away
     # idle -> drained to the minimum (a busy tail from earlier tests may first scale up: wait for the net result)
-    _wait(lambda: (a.tick(), len(cluster.decode) == 1)[1], 90, f"scale down to 1 when idle ({a.history[-3:]})")
+    wait_for(lambda: (a.tick(), len(cluster.decode) == 1)[1], 90, f"scale down to 1 when idle ({a.history[-3:]})")
     assert -1 in [h["action"] for h in a.history]
     _pool_healthy(cluster, 1)
     # load -> a server added
@@ -563,7 +545,7 @@ def test_breaker_opens_on_live_latency_rejects_at_once_and_recovers(engine_dir, 
     short = prompt_ids[PROMPTS[0]]
     long_ids = (short * 30)[:600]
     with LocalCluster(engine_dir, base_port=base, n_decode=1, env=env) as c:
-        _wait(lambda: _metric(c.prefill_metrics, "hetserve_decode_servers", state="healthy") == 1, 30, "pool")
+        wait_for(lambda: _metric(c.prefill_metrics, "hetserve_decode_servers", state="healthy") == 1, 30, "pool")
         for _ in range(2):  # warm-up on short prompts: fast, breaker stays closed
             assert _stream(c.prefill_grpc, short, max_tokens=2)[2] is None
         assert _metric(c.prefill_metrics, "hetserve_breaker_state") == 0
@@ -581,12 +563,12 @@ def test_breaker_opens_on_live_latency_rejects_at_once_and_recovers(engine_dir, 
         assert err is not None and "circuit breaker open" in str(err) and "p99" in str(err), err
         assert "UNAVAILABLE" in (err.status or "UNAVAILABLE")
         assert rejected_in < 0.5, f"rejection took {rejected_in:.2f}s"
-        _wait(lambda: _metric(c.prefill_metrics, "hetserve_breaker_state") == 2, 10, "breaker_state=2 exported")
+        wait_for(lambda: _metric(c.prefill_metrics, "hetserve_breaker_state") == 2, 10, "breaker_state=2 exported")
         assert _metric(c.prefill_metrics, "hetserve_breaker_rejections_total") >= 1
         time.sleep(3.2)
         toks, _, err = _stream(c.prefill_grpc, short, max_tokens=2)  # the half-open probe
         assert err is None and len(toks) == 2
-        _wait(lambda: _metric(c.prefill_metrics, "hetserve_breaker_state") == 0, 10, "breaker to close")
+        wait_for(lambda: _metric(c.prefill_metrics, "hetserve_breaker_state") == 0, 10, "breaker to close")
         assert _stream(c.prefill_grpc, short, max_tokens=2)[2] is None
         print(f"\nbreaker: opened after {slow} slow requests, rejected in {rejected_in * 1e3:.0f} ms, closed by a probe")
 

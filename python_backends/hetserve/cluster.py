@@ -65,9 +65,6 @@ class LocalCluster:
     def prefill(self) -> Optional[TritonProcess]:
         return self.prefills[0] if self.prefills else None
 
-    def prefill_grpc_of(self, j: int) -> str:
-        return f"127.0.0.1:{self.base_port + 10 * j + 1}"
-
     @property
     def prefill_grpc(self) -> str:
         return f"127.0.0.1:{self.base_port + 1}"

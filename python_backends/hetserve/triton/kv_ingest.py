@@ -17,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 from ..doctor import PROBE_PREFIX
 from ..engines.manifest import read_manifest
 from ..kv import wire
+from ..kv.transport import TRANSPORTS
 from .common import RequestError, engine_dir, inp, respond_each, scalar, str_tensor
 from .metrics import REGISTRY, declare_transfer_failures, transfer_failure_reason
 
@@ -29,7 +30,7 @@ def _transport_of(request) -> str:
         t = json.loads(request.parameters() or "{}").get("hetserve_transport", "unknown")
     except Exception:
         return "unknown"
-    return t if t in ("grpc", "shm", "cuda_shm", "nixl") else "unknown"
+    return t if t in TRANSPORTS else "unknown"
 
 
 class TritonPythonModel:
@@ -40,7 +41,7 @@ class TritonPythonModel:
         self.compat = man["compat_hash"]
         c = man["config"]
         self.shape = (c["num_layers"], c["num_kv_heads"], c["head_dim"])
-        declare_transfer_failures(("grpc", "shm"))
+        declare_transfer_failures(TRANSPORTS)
 
     def _one(self, r):
         op = scalar(r, "op", "ingest", str)
