@@ -1,0 +1,229 @@
+"""Quality gate: teacher-forced KL divergence and same-top-1 of every engine and KV wire dtype vs the FP32 engine.
+
+Convention of llama.cpp `perplexity --kl-divergence`: each text is cut to N_TOKENS tokens; the first half is
+context, and every position of the second half is scored with KLD(P_fp32 || P_x) = sum p_fp32 (log p_fp32 -
+log p_x) over the vocabulary and with "same top-1" (argmax equal). We report the mean KLD over all scored
+tokens, its 99th percentile, and the same-top-1 %.
+
+Two kinds of rows:
+  engine   the engine under test runs the whole text (context as one prefill call, then one decode step per
+           scored token), like llama.cpp evaluating a quantized GGUF: weight + activation error of that engine.
+  kv:DT    FP32 prefill of the context, its KV encoded to wire dtype DT and decoded again (kv/wire.py, exactly
+           what the decode server receives), then FP32 decode steps: the error the KV handoff adds.
+Figures in the manifest use EVAL_TEXTS (held out); TUNE_TEXTS are for calibration and choosing options.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Optional, Sequence
+
+import numpy as np
+
+from .quality_texts import EVAL_TEXTS, TEXTS_VERSION, TUNE_TEXTS
+
+N_TOKENS = 120  # per text: 60 context + 60 scored (every built-in text has >= 123 tokens)
+CTX = N_TOKENS // 2
+REFERENCE = "decode_fp32"
+
+# Upper bounds on mean KLD per row (held-out texts); the build records figures, tests/test_quality.py checks
+# them. Chosen from measured values with headroom, so a regression (wrong scale scheme, a graph bug) fails.
+BOUNDS = {
+    "fp32": 1e-6, "kv:fp32": 1e-6, "kv:fp16": 1e-4, "kv:int8": 3e-4,
+    "int8": 0.0045, "int8_qdq": 0.02, "fp8_qdq": 0.05,
+}
+
+
+@dataclass(frozen=True)
+class Quality:
+    mean_kld: float
+    p99_kld: float
+    same_top_pct: float
+    tokens: int
+    texts: str  # which text set + version ("eval/qt1")
+
+    def to_dict(self) -> dict:
+        return {k: (round(v, 7) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def token_matrix(tokenizer, texts: Sequence[str] = EVAL_TEXTS, n_tokens: int = N_TOKENS) -> np.ndarray:
+    rows = [tokenizer.encode(t)[:n_tokens] for t in texts]
+    short = [i for i, r in enumerate(rows) if len(r) < n_tokens]
+    if short:
+        raise ValueError(f"texts {short} have fewer than {n_tokens} tokens")
+    return np.asarray(rows, dtype=np.int64)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def compare(ref_logits: np.ndarray, logits: np.ndarray, texts: str) -> Quality:
+    """ref_logits, logits: [..., V] for the same scored positions."""
+    lp = _log_softmax(ref_logits.reshape(-1, ref_logits.shape[-1]))
+    lq = _log_softmax(logits.reshape(-1, logits.shape[-1]))
+    kld = np.maximum((np.exp(lp) * (lp - lq)).sum(axis=-1), 0.0)
+    same = (lp.argmax(-1) == lq.argmax(-1)).mean() * 100
+    return Quality(float(kld.mean()), float(np.percentile(kld, 99)), float(same), int(kld.size), texts)
+
+
+def _step_inputs(ids_col: np.ndarray, pos: int, past: int):
+    from .runtime import causal_mask
+
+    B = ids_col.shape[0]
+    return (ids_col[:, None], np.full((B, 1), pos, dtype=np.int64), causal_mask([past] * B, [1] * B, past, 1),
+            np.zeros(B, dtype=np.int64))
+
+
+def teacher_forced(decode_engine, ids: np.ndarray, prefill_engine=None,
+                   kv_roundtrip: Optional[Callable[[np.ndarray, np.ndarray], tuple]] = None,
+                   ctx: int = CTX) -> np.ndarray:
+    """Logits [N, T-ctx, V] predicting tokens ctx..T-1 of every row of ids [N, T] (batched over rows).
+
+    prefill_engine (default: decode_engine) runs the context in one call; kv_roundtrip(k, v) -> (k, v) is applied
+    per sequence to its context KV ([L, KVH, ctx, D]) before decoding, as the KV handoff would.
+    """
+    from .runtime import causal_mask
+
+    pre = prefill_engine or decode_engine
+    N, T = ids.shape
+    lo, k, v = pre.forward(ids[:, :ctx], np.tile(np.arange(ctx), (N, 1)), causal_mask([0] * N, [ctx] * N, 0, ctx),
+                           pre.empty_past(N), pre.empty_past(N), np.full(N, ctx - 1))
+    if kv_roundtrip is not None:
+        pairs = [kv_roundtrip(k[i], v[i]) for i in range(N)]
+        k = np.stack([p[0] for p in pairs])
+        v = np.stack([p[1] for p in pairs])
+    out = [lo]
+    for t in range(ctx, T - 1):
+        x, pos, mask, last = _step_inputs(ids[:, t], t, t)
+        lo, nk, nv = decode_engine.forward(x, pos, mask, k, v, last)
+        k, v = np.concatenate([k, nk], axis=3), np.concatenate([v, nv], axis=3)
+        out.append(lo)
+    return np.stack(out, axis=1)
+
+
+def wire_roundtrip(dtype: str, compat_hash: str = "quality"):
+    from ..kv import wire
+
+    def rt(k, v):
+        hdr, payload = wire.encode(k, v, compat_hash, dtype)
+        return wire.decode(hdr, payload)
+    return rt
+
+
+def engine_quality(engine_dir: str, names: Sequence[str], kv_dtypes: Sequence[str] = ("fp16", "int8"),
+                   texts: Sequence[str] = EVAL_TEXTS, set_name: str = "eval", threads: int = 0,
+                   log: Callable[[str], None] = None) -> Dict[str, dict]:
+    """{engine name | "kv:<dtype>": Quality dict} vs decode_fp32 on `texts` (the build calls this)."""
+    from .builder import load_tokenizer
+    from .runtime import Engine
+
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    ids = token_matrix(load_tokenizer(engine_dir), texts)
+    tag = f"{set_name}/{TEXTS_VERSION}"
+    ref_eng = Engine(engine_dir, REFERENCE, threads=threads)
+    ref = teacher_forced(ref_eng, ids)
+    res = {}
+    for dt in kv_dtypes:
+        res[f"kv:{dt}"] = compare(ref, teacher_forced(ref_eng, ids, kv_roundtrip=wire_roundtrip(dt)), tag).to_dict()
+        log(f"  quality kv:{dt}: {_fmt(res[f'kv:{dt}'])}")
+    for n in names:
+        eng = ref_eng if n == REFERENCE else Engine(engine_dir, n, threads=threads)
+        res[n] = compare(ref, teacher_forced(eng, ids), tag).to_dict()
+        log(f"  quality {n}: {_fmt(res[n])}")
+    return res
+
+
+def _fmt(q: dict) -> str:
+    return (f"mean KLD {q['mean_kld']:.6f}, p99 {q['p99_kld']:.5f}, same top-1 {q['same_top_pct']:.1f}% "
+            f"({q['tokens']} tokens, {q['texts']})")
+
+
+# --- llama.cpp on the same texts (comparison row; needs llama-cpp-python) -------------------------------------
+
+def llamacpp_quantize(src_gguf: str, dst_gguf: str, ftype: int) -> None:
+    """llama.cpp's own quantizer (ftype 7 = Q8_0, 0 = all F32); allow_requantize because the shipped GGUF is
+    already quantized (Q4_1 layers, Q8_0 embedding)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = 1
+    rc = llama_cpp.llama_model_quantize(src_gguf.encode(), dst_gguf.encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src_gguf} -> {dst_gguf}, ftype {ftype}) returned {rc}")
+
+
+def llamacpp_logits(gguf_path: str, ids: np.ndarray, ctx: int = CTX, threads: int = 1) -> np.ndarray:
+    """Teacher-forced logits [N, T-ctx, V] from llama.cpp (logits_all) on the same token ids as teacher_forced."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=ids.shape[1] + 8, n_batch=ids.shape[1], logits_all=True,
+                          n_threads=threads, verbose=False)
+    out = []
+    for row in ids:
+        llm.reset()
+        llm.eval(row.tolist())
+        out.append(np.array(llm.scores[ctx - 1:ids.shape[1] - 1], dtype=np.float32))
+    del llm
+    return np.stack(out)
+
+
+def llamacpp_rows(engine_dir: str, work_dir: str, texts: Sequence[str] = EVAL_TEXTS, set_name: str = "eval",
+                  threads: int = 1) -> Dict[str, dict]:
+    """Q8_0 vs our FP32 engine and vs llama.cpp's own F32 (same GGUF source, same token ids)."""
+    import os
+
+    from .builder import load_tokenizer
+    from .manifest import read_manifest
+    from .runtime import Engine
+
+    src = read_manifest(engine_dir)["source"]
+    ids = token_matrix(load_tokenizer(engine_dir), texts)
+    tag = f"{set_name}/{TEXTS_VERSION}"
+    paths = {}
+    for name, ft in (("f32", 0), ("q8_0", 7)):
+        paths[name] = os.path.join(work_dir, f"model-{name}.gguf")
+        if not os.path.exists(paths[name]):
+            llamacpp_quantize(src, paths[name], ft)
+    ours = teacher_forced(Engine(engine_dir, REFERENCE, threads=threads), ids)
+    f32 = llamacpp_logits(paths["f32"], ids, threads=threads)
+    q8 = llamacpp_logits(paths["q8_0"], ids, threads=threads)
+    return {"llamacpp_q8_0_vs_llamacpp_f32": compare(f32, q8, tag).to_dict(),
+            "llamacpp_q8_0_vs_hetserve_fp32": compare(ours, q8, tag).to_dict(),
+            "llamacpp_f32_vs_hetserve_fp32": compare(ours, f32, tag).to_dict()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hetserve.engines.quality",
+                                 description="KLD / same-top-1 of engines and KV wire dtypes vs the FP32 engine")
+    ap.add_argument("--engine-dir", required=True)
+    ap.add_argument("--engines", nargs="*", default=None, help="default: every decode_* ONNX Runtime engine")
+    ap.add_argument("--kv-dtypes", nargs="*", default=["fp16", "int8"])
+    ap.add_argument("--texts", choices=["eval", "tune"], default="eval")
+    ap.add_argument("--llamacpp", metavar="WORK_DIR", help="also llama.cpp Q8_0 (GGUFs written to WORK_DIR)")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    from .manifest import read_manifest
+
+    texts = EVAL_TEXTS if a.texts == "eval" else TUNE_TEXTS
+    man = read_manifest(a.engine_dir)
+    names = a.engines if a.engines is not None else [
+        n for n, e in man["engines"].items() if n.startswith("decode_") and e["backend"] == "onnxruntime"]
+    res = engine_quality(a.engine_dir, names, a.kv_dtypes, texts, a.texts, a.threads)
+    if a.llamacpp:
+        res.update(llamacpp_rows(a.engine_dir, a.llamacpp, texts, a.texts, a.threads))
+    print(f"{'row':34s} {'mean KLD':>10s} {'p99 KLD':>9s} {'same top-1':>10s}")
+    for n, q in res.items():
+        print(f"{n:34s} {q['mean_kld']:10.6f} {q['p99_kld']:9.5f} {q['same_top_pct']:9.2f}%")
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
