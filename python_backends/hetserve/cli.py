@@ -52,7 +52,7 @@ def cmd_up(args) -> int:
     import threading
 
     from .engines.builder import build_engines
-    from .server import REPO_ROOT
+    from .server import REPO_ROOT, bind_host
     from .topology import Topology
 
     ed = _engine_dir(args)
@@ -71,20 +71,23 @@ def cmd_up(args) -> int:
             print(f"hetserve up: --autoscale must be MIN:MAX with 1 <= MIN <= MAX, got {spec!r}", file=sys.stderr)
             return 1
         n = min(max(args.decode_servers, lo), hi)
-        topo = LocalCluster(ed, base_port=args.base_port, n_decode=n, env=env, pin=not args.no_pin)
+        topo = LocalCluster(ed, base_port=args.base_port, n_decode=n, env=env, pin=not args.no_pin,
+                            host=bind_host(args.host))
         print(f"starting {n} decode server(s) (gRPC {', '.join(topo.decode_grpc(i) for i in range(n))}) and the "
               f"prefill server (gRPC {topo.prefill_grpc}) ...", file=sys.stderr)
-        topo.start()
+        if not _start(topo):
+            return 1
         if args.autoscale:
             scaler = Autoscaler(topo, ScalePolicy(min_n=lo, max_n=hi))
             stop_scaler = threading.Event()
             threading.Thread(target=scaler.run, args=(stop_scaler,), daemon=True).start()
             print(f"autoscaling decode servers between {lo} and {hi}", file=sys.stderr)
     else:
-        topo = Topology(ed, base_port=args.base_port, pin=not args.no_pin, env=env)
+        topo = Topology(ed, base_port=args.base_port, pin=not args.no_pin, env=env, host=bind_host(args.host))
         print(f"starting decode server (gRPC {topo.decode_grpc}) and prefill server (gRPC {topo.prefill_grpc}, "
               f"HTTP {topo.prefill_http}) ...", file=sys.stderr)
-        topo.start()
+        if not _start(topo):
+            return 1
     print("servers ready", file=sys.stderr)
     rc = 0
     try:
@@ -95,9 +98,7 @@ def cmd_up(args) -> int:
             return rc
         print(f"serving; try: hetserve generate --url {topo.prefill_grpc} \"Hello\"   (Ctrl-C stops)",
               file=sys.stderr)
-        sigs = {signal.SIGINT, signal.SIGTERM}
-        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # servers run in their own sessions: stop them on either
-        signal.sigwait(sigs)
+        rc = _supervise(topo.processes, getattr(topo, "restart_if_decode", None))
     except KeyboardInterrupt:
         pass
     finally:
@@ -107,21 +108,60 @@ def cmd_up(args) -> int:
     return rc
 
 
+def _start(topo) -> bool:
+    from .server import ServerError
+
+    try:
+        topo.start()
+        return True
+    except ServerError as e:  # port in use, a server that exited during start-up, ...
+        print(f"hetserve up: {e}", file=sys.stderr)
+        return False
+
+
+def _supervise(processes, restart=None) -> int:
+    """Block until SIGINT/SIGTERM (0) or until a server dies that `restart(proc)` does not bring back (1, with its
+    log tail). The servers run in their own sessions, so a signal to this launcher alone must stop them: the
+    caller's finally does."""
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    while True:
+        if signal.sigtimedwait(sigs, 1.0) is not None:
+            return 0
+        dead = [p for p in processes() if not p.alive()]
+        if dead and restart is not None:
+            dead = [p for p in dead if not restart(p)]
+        if dead:
+            for p in dead:
+                print(f"hetserve: the {p.spec.role} server (port {p.spec.grpc_port}) exited with code "
+                      f"{p.proc.returncode}; stopping. Last log lines ({p.spec.log_file}):\n{p.log_tail()}",
+                      file=sys.stderr)
+            return 1
+
+
 def cmd_serve(args) -> int:
-    from .server import ServerSpec, TritonProcess
+    from .server import ServerError, ServerSpec, TritonProcess, bind_host
 
     env = {}
     if args.decode_url:
         env["HETSERVE_DECODE_URL"] = args.decode_url
+    if not os.environ.get("HETSERVE_ADMIN_KEY"):
+        print("hetserve serve: HETSERVE_ADMIN_KEY is not set; the admin APIs are locked with a random key "
+              "(set the same key on prefill and decode servers for the shm transport)", file=sys.stderr)
     spec = ServerSpec(args.role, args.http_port, args.grpc_port, args.metrics_port, _engine_dir(args),
                       model_repository=args.model_repository or ServerSpec.__dataclass_fields__[
-                          "model_repository"].default_factory(), env=env)
-    p = TritonProcess(spec).start()
+                          "model_repository"].default_factory(), env=env, host=bind_host(args.host))
     try:
-        return p.proc.wait()
+        p = TritonProcess(spec).start()
+    except ServerError as e:
+        print(f"hetserve serve: {e}", file=sys.stderr)
+        return 1
+    try:
+        return _supervise(lambda: [p])
     except KeyboardInterrupt:
-        p.stop()
         return 0
+    finally:
+        p.stop()
 
 
 def cmd_generate(args) -> int:
@@ -159,6 +199,8 @@ def main(argv=None) -> int:
     u.add_argument("--engine-dir")
     u.add_argument("--base-port", type=int, default=8000)
     u.add_argument("--no-pin", action="store_true", help="do not pin the servers to separate cores")
+    u.add_argument("--host", help="address the servers bind (default 127.0.0.1 or HETSERVE_BIND; "
+                                  "anything else exposes them beyond this machine)")
     u.add_argument("--prompt", default="What is the capital of France?")
     u.add_argument("--exit-after-prompt", action="store_true")
     u.add_argument("--decode-servers", type=int, default=1, help="decode servers in the pool (default 1)")
@@ -173,6 +215,7 @@ def main(argv=None) -> int:
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--host", help="address to bind (default 127.0.0.1 or HETSERVE_BIND; containers: 0.0.0.0)")
     s.add_argument("--decode-url", help="decode server gRPC host:port (comma list for a pool)")
     s.set_defaults(fn=cmd_serve)
     g = sub.add_parser("generate", help="stream an answer from a running server")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .server import REPO_ROOT, ServerSpec, TritonProcess
+from .server import REPO_ROOT, ServerSpec, TritonProcess, bind_host, check_ports_free
 from .topology import split_cpus
 
 log = logging.getLogger("hetserve.cluster")
@@ -33,8 +33,9 @@ log = logging.getLogger("hetserve.cluster")
 class LocalCluster:
     def __init__(self, engine_dir: str, base_port: int = 8000, n_decode: int = 1, env: Optional[dict] = None,
                  decode_env: Optional[dict] = None, log_dir: Optional[str] = None, pin: bool = True,
-                 run_dir: Optional[str] = None, n_prefill: int = 1):
+                 run_dir: Optional[str] = None, n_prefill: int = 1, host: Optional[str] = None):
         self.engine_dir = engine_dir
+        self.host = host or bind_host()
         self.base_port = base_port
         self.n_initial = n_decode
         self.env = dict(env or {})
@@ -86,7 +87,7 @@ class LocalCluster:
     def _decode_spec(self, i: int) -> ServerSpec:
         b = self.decode_port(i)
         return ServerSpec("decode", b, b + 1, b + 2, self.engine_dir, cpus=self.cpus["decode"],
-                          env={**self.env, **self.decode_env},
+                          env={**self.env, **self.decode_env}, host=self.host,
                           log_file=str(Path(self.log_dir) / f"decode{i}-{self.base_port}.log"))
 
     def _start_decode(self, i: int, timeout: float) -> TritonProcess:
@@ -98,17 +99,25 @@ class LocalCluster:
             raise
         return p
 
+    def _prefill_spec(self, j: int) -> ServerSpec:
+        b = self.base_port + 10 * j
+        env = {**self.env, "HETSERVE_DECODE_URL": "", "HETSERVE_DECODE_REGISTRY": self.registry}
+        return ServerSpec("prefill", b, b + 1, b + 2, self.engine_dir, cpus=self.cpus["prefill"], env=env,
+                          host=self.host, log_file=str(Path(self.log_dir) / f"prefill-cluster-{b}.log"))
+
+    def processes(self) -> List[TritonProcess]:
+        with self._lock:
+            return list(self.prefills) + list(self.decode.values())
+
     def start(self, timeout: float = 300.0) -> "LocalCluster":
+        check_ports_free([self._decode_spec(i) for i in range(self.n_initial)]
+                         + [self._prefill_spec(j) for j in range(self.n_prefill)])
         try:
-            procs = {i: TritonProcess(self._decode_spec(i)).start() for i in range(self.n_initial)}
+            procs = {i: TritonProcess(self._decode_spec(i)).start(check_ports=False) for i in range(self.n_initial)}
             self.decode.update(procs)
             self._write_registry()
-            env = {**self.env, "HETSERVE_DECODE_URL": "", "HETSERVE_DECODE_REGISTRY": self.registry}
             for j in range(self.n_prefill):
-                b = self.base_port + 10 * j
-                self.prefills.append(TritonProcess(ServerSpec(
-                    "prefill", b, b + 1, b + 2, self.engine_dir, cpus=self.cpus["prefill"], env=env,
-                    log_file=str(Path(self.log_dir) / f"prefill-cluster-{b}.log"))).start())
+                self.prefills.append(TritonProcess(self._prefill_spec(j)).start(check_ports=False))
             for p in list(procs.values()) + self.prefills:
                 p.wait_ready(timeout)
         except Exception:
@@ -163,6 +172,21 @@ class LocalCluster:
             self.decode[i] = p
             self._write_registry()
 
+    def restart_if_decode(self, proc: TritonProcess) -> bool:
+        """Supervisor hook: a dead decode server is restarted in place (its streams were already migrated by the
+        orchestrator); a dead prefill server is not ours to replace (False)."""
+        with self._lock:
+            idx = next((i for i, p in self.decode.items() if p is proc), None)
+        if idx is None:
+            return False
+        log.warning("decode server %d died (code %s); restarting it", idx, proc.proc.returncode)
+        try:
+            self.restart_decode(idx)
+            return True
+        except Exception:
+            log.exception("restarting decode server %d failed", idx)
+            return False
+
     def kill9(self, i: int):
         self.decode[i].kill9()
 
@@ -181,6 +205,11 @@ class LocalCluster:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+# What a load balancer in front of the prefill servers exposes (deploy/nginx/nginx.conf mirrors it).
+CLIENT_MODELS_RE = "llm|ensemble|aggregated"
+GRPC_CLIENT_METHODS_RE = "ServerLive|ServerReady|ModelReady|ServerMetadata|ModelMetadata|ModelInfer|ModelStreamInfer"
 
 
 class NginxLB:
@@ -214,7 +243,11 @@ http {{
     }}
     server {{
         listen 127.0.0.1:{self.http_port};
-        location / {{
+        # allow-list: health, metadata and the client models' inference endpoints; everything else (model
+        # control, shared-memory registration, trace, logging, internal models) is refused here.
+        location / {{ return 403 '{{"error":"not exposed through the load balancer"}}'; }}
+        location ~ ^/v2(/health/(ready|live))?$ {{ proxy_pass http://prefill_http; }}
+        location ~ ^/v2/models/({CLIENT_MODELS_RE})(/versions/[0-9]+)?(/ready|/infer|/generate|/generate_stream)?$ {{
             proxy_pass http://prefill_http;
             proxy_http_version 1.1;
             proxy_buffering off;
@@ -225,7 +258,8 @@ http {{
     }}
     server {{
         listen 127.0.0.1:{self.grpc_port} http2;
-        location / {{
+        location / {{ return 403; }}
+        location ~ ^/inference\\.GRPCInferenceService/({GRPC_CLIENT_METHODS_RE})$ {{
             grpc_pass grpc://prefill_grpc;
             grpc_connect_timeout 2s;
             grpc_read_timeout 600s;

@@ -1,7 +1,17 @@
-"""Launch tritonserver (binary from the nvidia-pytriton wheel) for one role of the topology."""
+"""Launch tritonserver (binary from the nvidia-pytriton wheel) for one role of the topology.
+
+Safe by default (docs/reliability.md, "Security"): every port binds loopback unless HETSERVE_BIND / --host says
+otherwise; the admin APIs (model repository control, shared-memory registration, trace, logging) answer only
+requests carrying the deployment's admin key (header `hetserve-admin-key`, HETSERVE_ADMIN_KEY, random per
+launcher when unset); ports already in use are refused before anything starts; stop() ends the server's whole
+process group (tritonserver and its python backend stubs) and removes the shared-memory regions they leave.
+"""
 from __future__ import annotations
 
+import logging
 import os
+import secrets
+import socket
 import shutil
 import signal
 import site
@@ -13,6 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+log = logging.getLogger("hetserve.server")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PKG_DIR = Path(__file__).resolve().parents[1]  # python_backends/
@@ -28,6 +40,144 @@ ROLE_MODELS["all"] = list(dict.fromkeys(ROLE_MODELS["prefill"] + ROLE_MODELS["de
 
 class ServerError(RuntimeError):
     pass
+
+
+# ---- exposure ------------------------------------------------------------------------------------
+LOOPBACK = "127.0.0.1"
+ADMIN_HEADER = "hetserve-admin-key"  # HTTP header / gRPC metadata (prefixed) carrying HETSERVE_ADMIN_KEY
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+# Triton APIs that change server state or map memory: only the orchestrator and operators hold the key.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+
+
+def bind_host(host: Optional[str] = None) -> str:
+    """The address every port binds: loopback unless asked (--host / HETSERVE_BIND); warns when exposed."""
+    h = host or os.environ.get("HETSERVE_BIND") or LOOPBACK
+    if h not in (LOOPBACK, "localhost", "::1"):
+        log.warning("binding %s: Triton ports are reachable beyond this host (admin APIs stay key-protected)", h)
+    return h
+
+
+def admin_key() -> str:
+    """The deployment's admin key: HETSERVE_ADMIN_KEY, or one random key per launcher process (exported so the
+    servers it starts, and the prefill server's KV sender, share it)."""
+    k = os.environ.get("HETSERVE_ADMIN_KEY")
+    if not k:
+        k = os.environ["HETSERVE_ADMIN_KEY"] = secrets.token_urlsafe(24)
+    return k
+
+
+def admin_headers(protocol: str = "grpc") -> Dict[str, str]:
+    """Headers for a tritonclient call to a restricted API (shm registration, model control). Triton's gRPC
+    frontend expects the key under its `triton-grpc-protocol-` prefix, the HTTP frontend as it is."""
+    name = ADMIN_HEADER if protocol == "http" else GRPC_HEADER_PREFIX + ADMIN_HEADER
+    return {name: admin_key()}
+
+
+def port_in_use(port: int, host: str = LOOPBACK) -> bool:
+    """True when something listens on `port` (or holds it) on `host` or the wildcard address."""
+    for target in {host, LOOPBACK}:
+        try:
+            with socket.create_connection((target, port), timeout=0.3):
+                return True
+        except OSError:
+            pass
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are not "in use"
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_ports_free(specs: Sequence["ServerSpec"]) -> None:
+    """Refuse to start when any port of any server is taken (another `hetserve up`, a stray tritonserver)."""
+    busy = [(sp.role, p) for sp in specs for p in (sp.http_port, sp.grpc_port, sp.metrics_port)
+            if port_in_use(p, sp.host)]
+    if busy:
+        raise ServerError("port(s) already in use: " + ", ".join(f"{p} ({role})" for role, p in busy)
+                          + "; is another `hetserve up` running? Stop it or pick another --base-port")
+
+
+def _listening_inodes(port: int) -> set:
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
+                out.add(f[9])
+    return out
+
+
+def owns_port(pid: int, port: int) -> bool:
+    """True when process `pid` holds the listening socket of `port` (readiness must come from *our* server)."""
+    inodes = _listening_inodes(port)
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
+
+
+# ---- leftovers -----------------------------------------------------------------------------------
+SHM_DIR = Path("/dev/shm")
+SHM_PATTERNS = ("triton_python_backend_shm_region_*", "hetserve_kv_*")  # Triton's python backend, our KV sender
+
+
+def _shm_in_use() -> set:
+    """Names of /dev/shm files some live process maps or holds open."""
+    used = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            for line in open(f"/proc/{pid}/maps"):
+                if "/dev/shm/" in line:
+                    used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("/dev/shm/"):
+                    used.add(link[9:].split()[0])
+        except OSError:
+            continue
+    return used
+
+
+def sweep_stale_shm(min_age_s: float = 30.0) -> List[str]:
+    """Remove shared-memory regions of ours / of Triton's python backend that no live process maps or holds
+    (left by killed servers). Young regions are kept: a starting server may not have mapped its region yet."""
+    try:
+        candidates = [p for pat in SHM_PATTERNS for p in SHM_DIR.glob(pat)]
+    except OSError:
+        return []
+    if not candidates:
+        return []
+    used = _shm_in_use()
+    now = time.time()
+    removed = []
+    for p in candidates:
+        try:
+            if p.name in used or now - p.stat().st_mtime < min_age_s or p.stat().st_uid != os.geteuid():
+                continue
+            p.unlink()
+            removed.append(p.name)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d stale shared-memory region(s) from /dev/shm", len(removed))
+    return removed
 
 
 def pytriton_dir() -> Path:
@@ -102,14 +252,18 @@ class ServerSpec:
     cpus: Optional[Sequence[int]] = None
     env: dict = field(default_factory=dict)
     log_file: Optional[str] = None
+    host: str = field(default_factory=bind_host)  # address every port binds (loopback by default)
+
+    def _client_host(self) -> str:
+        return LOOPBACK if self.host in ("0.0.0.0", "::") else self.host
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self._client_host()}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{self._client_host()}:{self.http_port}"
 
 
 class TritonProcess:
@@ -122,9 +276,12 @@ class TritonProcess:
         s = self.spec
         if s.role not in ROLE_MODELS:
             raise ServerError(f"unknown role {s.role!r}; choose one of {sorted(ROLE_MODELS)}")
+        restricted = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={admin_key()}"
         cmd = [tritonserver_binary(), f"--model-repository={s.model_repository}",
                "--model-control-mode=explicit", f"--backend-directory={prepare_backend_dir()}",
+               f"--http-address={s.host}", f"--grpc-address={s.host}", f"--metrics-address={s.host}",
                f"--http-port={s.http_port}", f"--grpc-port={s.grpc_port}", f"--metrics-port={s.metrics_port}",
+               f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
                "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-timeout-secs=10",
                "--backend-config=python,shm-default-byte-size=16777216",
                "--backend-config=python,shm-growth-byte-size=16777216",
@@ -133,9 +290,13 @@ class TritonProcess:
         cmd += [f"--load-model={m}" for m in ROLE_MODELS[s.role]]
         return cmd
 
-    def start(self) -> "TritonProcess":
+    def start(self, check_ports: bool = True) -> "TritonProcess":
         s = self.spec
-        env = stub_environment({"HETSERVE_ENGINE_DIR": s.engine_dir, "HETSERVE_ROLE": s.role, **s.env})
+        if check_ports:
+            check_ports_free([s])
+        sweep_stale_shm()
+        env = stub_environment({"HETSERVE_ENGINE_DIR": s.engine_dir, "HETSERVE_ROLE": s.role,
+                                "HETSERVE_ADMIN_KEY": admin_key(), **s.env})
         cpus = list(s.cpus) if s.cpus else None
         if s.cpus:
             env["HETSERVE_THREADS"] = str(len(cpus))
@@ -164,7 +325,12 @@ class TritonProcess:
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
+                        if not owns_port(self.proc.pid, self.spec.http_port):
+                            raise ServerError(f"{self.spec.role}: port {self.spec.http_port} answers but is not "
+                                              f"held by our tritonserver (pid {self.proc.pid})")
                         return
+            except ServerError:
+                raise
             except Exception:
                 pass
             time.sleep(0.5)
@@ -173,23 +339,77 @@ class TritonProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, timeout: float = 20.0) -> None:
-        if not self.proc or self.proc.poll() is not None:
-            return
+    def log_tail(self, n: int = 4000) -> str:
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(5)
+            return Path(self.spec.log_file).read_bytes()[-n:].decode(errors="replace") if self.spec.log_file else ""
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left of it (python backend stubs can outlive
+        tritonserver), then remove the shared-memory regions nobody maps any more."""
+        if not self.proc:
+            return
+        pgid = self.proc.pid  # start() made it a session (and group) leader
+        try:
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(pgid, signal.SIGTERM)
+                    self.proc.wait(timeout)
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    pass
+            _kill_group(pgid)
+            if self.proc.poll() is None:
+                self.proc.wait(5)
         finally:
             if self._log:
                 self._log.close()
+                self._log = None
+        sweep_stale_shm(min_age_s=2.0)
 
     def kill9(self) -> None:
+        """Simulated crash: SIGKILL the whole group at once (no cleanup, as a real crash)."""
         if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            _kill_group(self.proc.pid)
             self.proc.wait(5)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _kill_group(pgid: int, timeout_s: float = 5.0) -> None:
+    """SIGKILL every process left in group `pgid` and wait until none runs (our own child stays a zombie until
+    Popen.wait reaps it)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if not _group_alive(pgid) or _only_zombies(pgid):
+            return
+        time.sleep(0.05)
+        try:  # again: a process forked while the first signal was delivered escapes it
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+
+
+def _only_zombies(pgid: int) -> bool:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(f[2]) == pgid and f[0] != "Z":
+            return False
+    return True

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .server import REPO_ROOT, ServerSpec, TritonProcess
+from .server import REPO_ROOT, ServerSpec, TritonProcess, bind_host, check_ports_free
 
 
 def split_cpus() -> Dict[str, Optional[List[int]]]:
@@ -24,6 +24,7 @@ class Topology:
     log_dir: str = field(default_factory=lambda: str(REPO_ROOT / ".hetserve" / "logs"))
     env: dict = field(default_factory=dict)
     pin: bool = True
+    host: str = field(default_factory=bind_host)
     servers: Dict[str, TritonProcess] = field(default_factory=dict)
 
     def spec(self, role: str) -> ServerSpec:
@@ -33,8 +34,11 @@ class Topology:
         env = dict(self.env)
         if role == "prefill":
             env.setdefault("HETSERVE_DECODE_URL", f"127.0.0.1:{self.base_port + 1001}")
-        return ServerSpec(role, b, b + 1, b + 2, self.engine_dir, cpus=cpus[role], env=env,
+        return ServerSpec(role, b, b + 1, b + 2, self.engine_dir, cpus=cpus[role], env=env, host=self.host,
                           log_file=str(Path(self.log_dir) / f"{role}-{self.base_port}.log"))
+
+    def processes(self) -> List[TritonProcess]:
+        return list(self.servers.values())
 
     @property
     def prefill_grpc(self) -> str:
@@ -49,9 +53,11 @@ class Topology:
         return f"127.0.0.1:{self.base_port + 1001}"
 
     def start(self, timeout: float = 300.0) -> "Topology":
+        roles = ("decode", "prefill")
+        check_ports_free([self.spec(r) for r in roles])  # before anything starts: a running one keeps serving
         try:
-            for role in ("decode", "prefill"):
-                self.servers[role] = TritonProcess(self.spec(role)).start()
+            for role in roles:
+                self.servers[role] = TritonProcess(self.spec(role)).start(check_ports=False)
             for p in self.servers.values():
                 p.wait_ready(timeout)
         except Exception:

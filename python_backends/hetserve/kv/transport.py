@@ -7,9 +7,10 @@ Both deliver the same (header, payload) to kv_ingest, which verifies the handsha
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
+import secrets
+import stat
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
@@ -21,7 +22,35 @@ from .wire import KVHeader
 log = logging.getLogger("hetserve.kv.transport")
 
 TRANSPORTS = ("grpc", "shm")
-_counter = itertools.count()
+SHM_PREFIX = "hetserve_kv_"
+
+
+def _admin_headers() -> Dict[str, str]:
+    from ..server import admin_headers  # shm registration is a restricted Triton API (server.py)
+
+    return admin_headers()
+
+
+def create_private_region(size: int):
+    """A new POSIX shm region under an unpredictable name, created exclusively (never an existing file that a
+    local user planted), mode 0600 and owned by us: (name, key, handle)."""
+    import tritonclient.utils.shared_memory as shm
+
+    for _ in range(4):
+        name = SHM_PREFIX + secrets.token_hex(12)
+        key = "/" + name
+        try:
+            handle = shm.create_shared_memory_region(name, key, size, create_only=True)
+        except Exception as e:  # name taken (astronomically unlikely): try another
+            log.warning("shm region %s could not be created exclusively (%s); trying another name", name, e)
+            continue
+        st = os.stat("/dev/shm" + key)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            shm.destroy_shared_memory_region(handle)
+            raise TransferError(f"shm region {key} is not private to us (uid {st.st_uid}, "
+                                f"mode {oct(stat.S_IMODE(st.st_mode))}); refusing to use it")
+        return name, key, handle
+    raise TransferError("could not create a private shm region for KV transfers")
 
 
 class TransferError(RuntimeError):
@@ -109,13 +138,11 @@ class KVSender:
             r = self._shm.get(url)
             if r is not None:
                 return r
-            name = f"hetserve_kv_{os.getpid()}_{next(_counter)}"
-            key = "/" + name
-            handle = shm.create_shared_memory_region(name, key, self.shm_bytes)
+            name, key, handle = create_private_region(self.shm_bytes)
             c = self._clients.get(url) or _client(url)
             self._clients[url] = c
             try:
-                c.register_system_shared_memory(name, key, self.shm_bytes)
+                c.register_system_shared_memory(name, key, self.shm_bytes, headers=_admin_headers())
             except Exception:
                 shm.destroy_shared_memory_region(handle)
                 raise
@@ -189,7 +216,7 @@ class KVSender:
         with self._lock:
             for url, (name, handle, _) in self._shm.items():
                 try:
-                    self._clients[url].unregister_system_shared_memory(name)
+                    self._clients[url].unregister_system_shared_memory(name, headers=_admin_headers())
                 except Exception:
                     pass
                 try:
