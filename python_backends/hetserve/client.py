@@ -43,7 +43,9 @@ class Generation:
 _DTYPES = {"max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32),
            "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "ignore_eos": ("BOOL", bool),
            "apply_chat_template": ("BOOL", bool), "stop_token_ids": ("INT32", np.int32),
-           "input_ids": ("INT32", np.int32), "output_ids": ("INT32", np.int32)}
+           "input_ids": ("INT32", np.int32), "output_ids": ("INT32", np.int32), "stream": ("BOOL", bool)}
+# models with a `stream` input (default false = one final response); stream() asks them to stream
+STREAM_INPUT_MODELS = ("llm", "ensemble")
 
 
 def build_inputs(prompt: Optional[str], **params):
@@ -77,6 +79,8 @@ def stream(url: str, prompt: Optional[str], model: str = "llm", timeout_s: float
            **params) -> Iterator[Chunk]:
     import tritonclient.grpc as grpcclient
 
+    if model in STREAM_INPUT_MODELS:
+        params.setdefault("stream", True)
     client = grpcclient.InferenceServerClient(url)
     q: "queue.Queue" = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))

@@ -6,6 +6,13 @@ Reliability (see reliability.py): decode servers come from a health-checked pool
 circuit breaker refuses requests at once (UNAVAILABLE) while latency or queues are out of bounds; when a decode
 server fails or stalls mid-stream the request moves to another one, which resumes from the KV snapshot or by
 recomputing prompt + tokens so far, and the client keeps one uninterrupted stream.
+
+`stream` input (bool, TensorRT-LLM ensemble convention), default false: the model then sends exactly one final
+response (whole text, all token ids, finish_reason), which is what Triton's HTTP `/generate` endpoint requires
+and what a plain Triton user tries first. stream=true sends one response per decode step (what `generate_stream`
+and gRPC streaming clients want for TTFT; hetserve's own clients always ask for it).
+Overload refusals (breaker open, no decode server, queues full) are UNAVAILABLE and carry a "retry after N s"
+hint (hetserve.retry) that HTTP frontends turn into 503 + Retry-After.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
+from .. import retry
 from ..engines.manifest import read_manifest
 from ..model.checkpoint import LlamaConfig
 from ..reliability import BreakerOpen, CircuitBreaker, DecodePool
@@ -42,6 +50,15 @@ def _bls(model, inputs, outputs):
             raise RequestError(err.message())
         raise RuntimeError(f"{model}: {err.message()}")
     return {n: pb_utils.get_output_tensor_by_name(resp, n).as_numpy() for n in outputs}
+
+
+class WholeAnswer(TextStreamer):
+    """stream=false: hold every step back and send one final response with the whole answer (text_output = the
+    full text, token_ids = output_ids = all generated ids), so exactly one response reaches the client."""
+
+    def _send(self, delta, new, final):
+        if final:
+            super()._send(self.text, list(self.ids), final=True)
 
 
 class DecodeFailed(RuntimeError):
@@ -117,6 +134,8 @@ class TritonPythonModel:
         self.default_precision = os.environ.get("HETSERVE_DECODE_PRECISION", "fp32")
         self.step_timeout_s = float(os.environ.get("HETSERVE_DECODE_STEP_TIMEOUT_S", "30"))
         self.max_migrations = int(os.environ.get("HETSERVE_MAX_MIGRATIONS", "3"))
+        self.max_inflight = int(os.environ.get("HETSERVE_LLM_MAX_INFLIGHT", "256"))
+        self._slots = threading.BoundedSemaphore(self.max_inflight)
         REGISTRY.set("hetserve_breaker_state", 0)
         self.breaker = CircuitBreaker.from_env(on_state=lambda st: REGISTRY.set("hetserve_breaker_state", st))
         self.pool = DecodePool.from_env(on_change=self._pool_metrics)
@@ -217,7 +236,8 @@ class TritonPythonModel:
         probe = False
         try:
             params = sampling_params(r)
-            streamer = TextStreamer(sender, tok, params, self.cfg.eos_token_ids, model="llm")
+            cls = TextStreamer if bool(scalar(r, "stream", False)) else WholeAnswer
+            streamer = cls(sender, tok, params, self.cfg.eos_token_ids, model="llm")
             prompt = self._prompt_ids(r)
             check_prompt(prompt, self.cfg, params.max_tokens)
             precision = scalar(r, "decode_precision", None, str) or self.default_precision
@@ -246,7 +266,8 @@ class TritonPythonModel:
                 log.exception("llm request failed")
             if streamer is not None and streamer.finish_reason is not None:
                 return
-            err = error(str(e), code)
+            msg = retry.hint(str(e)) if code == pb_utils.TritonError.UNAVAILABLE else str(e)
+            err = error(msg, code)
             try:
                 if streamer is not None:
                     streamer.fail(err)
@@ -261,7 +282,22 @@ class TritonPythonModel:
             if lease[0] is not None:
                 self.pool.release(lease[0])
 
+    def _run(self, r, sender):
+        try:
+            self._handle(r, sender)
+        finally:
+            self._slots.release()
+
     def execute(self, requests):
+        # one thread per request (each blocks on its decode stream), at most max_inflight of them: beyond that
+        # the request is refused at once as overload instead of piling up threads
         for r in requests:
-            threading.Thread(target=self._handle, args=(r, r.get_response_sender()), daemon=True).start()
+            sender = r.get_response_sender()
+            if not self._slots.acquire(blocking=False):
+                msg = retry.hint(f"llm busy: {self.max_inflight} requests in flight (HETSERVE_LLM_MAX_INFLIGHT)")
+                sender.send(pb_utils.InferenceResponse(output_tensors=[],
+                                                       error=error(msg, pb_utils.TritonError.UNAVAILABLE)),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            threading.Thread(target=self._run, args=(r, sender), daemon=True).start()
         return None
