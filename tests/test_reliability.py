@@ -618,9 +618,10 @@ def test_kubernetes_hpa_mirrors_the_local_autoscaler():
     import yaml
 
     root = Path(__file__).resolve().parents[1]
-    docs = list(yaml.safe_load_all((root / "deploy" / "k8s" / "decode-hpa.yaml").read_text()))
+    base = root / "deploy" / "k8s" / "base"  # full render + reference checks: tests/test_k8s.py
+    docs = [d for f in ("decode-hpa.yaml", "services.yaml") for d in yaml.safe_load_all((base / f).read_text())]
     hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
-    svc = next(d for d in docs if d["kind"] == "Service")
+    svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "hetserve-decode")
     assert hpa["apiVersion"] == "autoscaling/v2" and svc["spec"]["clusterIP"] == "None"
     names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
     exported = set(_re.findall(r'"(hetserve_[a-z_]+)":', (root / "python_backends" / "hetserve" / "triton" /
@@ -631,7 +632,7 @@ def test_kubernetes_hpa_mirrors_the_local_autoscaler():
     assert float(targets["hetserve_utilization_ratio"].rstrip("m")) / 1000 == pol.up_util
     assert float(targets["hetserve_queue_depth"]) == pol.up_queue
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 30
-    rules = yaml.safe_load((root / "deploy" / "k8s" / "prometheus-adapter-rules.yaml").read_text())["rules"]
+    rules = yaml.safe_load((root / "deploy" / "k8s" / "monitoring" / "prometheus-adapter-rules.yaml").read_text())["rules"]
     assert {r["name"]["as"] for r in rules} == names
 
 

@@ -171,19 +171,41 @@ def _read_registry(path: Optional[str]) -> List[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
 
 
-def _resolve_all(hostport: Optional[str]) -> List[str]:
-    """Every address behind a name (a Kubernetes headless Service lists one A record per ready pod)."""
-    if not hostport:
+Resolver = Callable[..., list]  # socket.getaddrinfo's signature; a stub in unit tests
+
+
+def _resolve_all(names: Optional[str], resolver: Optional[Resolver] = None) -> Optional[List[str]]:
+    """Every address behind `names` ("host:port", comma-separated): a Kubernetes headless Service has one A/AAAA
+    record per *ready* decode pod, so the answer is the live membership. None when a lookup fails (the caller
+    keeps what it had: a DNS hiccup must not empty the pool); an empty list when the name has no records left.
+    """
+    if not names:
         return []
     import socket
 
-    host, _, port = hostport.rpartition(":")
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except (OSError, ValueError):
-        log.warning("cannot resolve decode pool name %s", hostport)
-        return []
-    return sorted({f"{i[4][0]}:{i[4][1]}" for i in infos if i[0] == socket.AF_INET})
+    resolver = resolver or socket.getaddrinfo
+    out = set()
+    for hostport in (n.strip() for n in names.split(",")):
+        if not hostport:
+            continue
+        host, _, port = hostport.rpartition(":")
+        host = host.strip("[]")
+        try:
+            infos = resolver(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+                continue  # authoritative "no such name / no records": a headless Service with no ready pod
+            log.warning("cannot resolve decode pool name %s: %s", hostport, e)
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("cannot resolve decode pool name %s: %s", hostport, e)
+            return None
+        for fam, *_, addr in infos:
+            if fam == socket.AF_INET:
+                out.add(f"{addr[0]}:{addr[1]}")
+            elif fam == socket.AF_INET6:
+                out.add(f"[{addr[0]}]:{addr[1]}")
+    return sorted(out)
 
 
 def canary_check(url: str, timeout_s: float) -> float:
@@ -209,12 +231,14 @@ def canary_check(url: str, timeout_s: float) -> float:
 
 class DecodePool:
     def __init__(self, urls: Sequence[str], registry: Optional[str] = None, dns: Optional[str] = None,
-                 interval_s: float = 5.0,
+                 interval_s: float = 5.0, resolver: Optional[Resolver] = None,
                  timeout_s: float = 2.0, check: Callable[[str, float], float] = canary_check,
                  start: bool = True, on_change: Optional[Callable[[Dict[str, Member]], None]] = None):
         self.static = [u for u in urls if u]
         self.registry = registry
         self.dns = dns
+        self.resolver = resolver
+        self._dns_members: List[str] = []  # last good DNS answer, kept while lookups fail
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.check = check
@@ -241,7 +265,16 @@ class DecodePool:
                    timeout_s=float(e("HETSERVE_HEALTH_TIMEOUT_S", "2")), **kw)
 
     def _sync_members(self):
-        urls = list(dict.fromkeys(self.static + _read_registry(self.registry) + _resolve_all(self.dns)))
+        """Membership = static URLs + registry file + DNS answer, re-read every health round (that is how the
+        local autoscaler and a Kubernetes HPA add and remove decode servers). A member that leaves keeps no
+        state here; streams already on it finish or migrate through the usual failure path."""
+        if self.dns:
+            found = _resolve_all(self.dns, self.resolver)
+            if found is not None:
+                if found != self._dns_members:
+                    log.info("decode pool %s resolves to %s", self.dns, ", ".join(found) or "nothing")
+                self._dns_members = found
+        urls = list(dict.fromkeys(self.static + _read_registry(self.registry) + self._dns_members))
         with self._lock:
             for u in urls:
                 self.members.setdefault(u, Member(u))
