@@ -9,6 +9,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backends"))
 
+# CI (HETSERVE_STRICT_SKIPS=1, set by .ci/run): a skipped test is a failure -- a core test must never pass by
+# skipping because a dependency is missing. Only tests marked `gpu` (they need an NVIDIA GPU) may skip.
+STRICT_SKIPS = os.environ.get("HETSERVE_STRICT_SKIPS", "") not in ("", "0")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU; the only tests that may skip in CI")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if (STRICT_SKIPS and rep.skipped and not hasattr(rep, "wasxfail")
+            and item.get_closest_marker("gpu") is None):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        rep.outcome = "failed"
+        rep.longrepr = f"skipped under HETSERVE_STRICT_SKIPS (a core test may not skip): {reason}"
+
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -15,6 +15,10 @@ class SamplingError(ValueError):
     pass
 
 
+# Stop conditions are checked on every token of every sequence: their number and length are bounded.
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
@@ -37,6 +41,10 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed < 0:
             raise SamplingError(f"seed must be >= 0, got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in self.stop):
+            raise SamplingError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         return self
 
     def to_dict(self) -> dict:

@@ -93,6 +93,29 @@ def check_prompt(ids: List[int], cfg, max_tokens: int = 0) -> List[int]:
     return ids
 
 
+def check_kv_tokens(hdr, max_position: int) -> None:
+    """A KV header may not claim more tokens than the model's context (a bogus count would size buffers)."""
+    if not 0 < hdr.num_tokens <= max_position:
+        raise RequestError(f"KV header claims {hdr.num_tokens} tokens; the model context is {max_position}")
+
+
+def ingest_token() -> str:
+    """Proof that an op=ingest request to `decode` comes from our kv_ingest (which verified the KV), derived
+    from the deployment admin key both stubs inherit; anyone else's ingest is verified by decode itself."""
+    import hashlib
+    import hmac
+
+    from ..server import admin_key
+
+    return hmac.new(admin_key().encode(), b"hetserve kv_ingest -> decode", hashlib.sha256).hexdigest()
+
+
+def ingest_token_ok(token: str) -> bool:
+    import hmac
+
+    return bool(token) and hmac.compare_digest(token, ingest_token())
+
+
 def sampling_params(request, default_max_tokens: int = 64) -> SamplingParams:
     p = SamplingParams(
         max_tokens=scalar(request, "max_tokens", default_max_tokens, int),

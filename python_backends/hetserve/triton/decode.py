@@ -6,7 +6,6 @@ op=generate : join the running batch; stream token ids. If the KV has not arrive
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import threading
@@ -21,9 +20,11 @@ from ..engines.runtime import Engine
 from ..kv import wire
 from ..kv.blocks import BlockPool
 from ..kv.snapshot import Snapshotter
-from ..scheduler import DecodeScheduler, Sequence
+from ..scheduler import DecodeScheduler, Overloaded, Sequence
 from ..sampling import is_stop_token
-from .common import RequestError, check_prompt, classify, engine_dir, error, inp, int_list, sampling_params, scalar, str_tensor
+from ..bounded import BoundedExecutor
+from .common import (RequestError, check_kv_tokens, check_prompt, classify, engine_dir, error, ingest_token_ok, inp,
+                     int_list, sampling_params, scalar, str_tensor)
 from .metrics import REGISTRY, Poller, gauges
 
 log = logging.getLogger("hetserve.decode")
@@ -32,18 +33,40 @@ PENDING_TTL_S = 120.0
 
 
 class PendingKV:
-    """KV that arrived before its generate request (the normal order), keyed by request id."""
+    """KV that arrived before its generate request (the normal order), keyed by request id. Bounded in entries
+    and bytes (HETSERVE_PENDING_KV_MAX / HETSERVE_PENDING_KV_MB): past either, expired entries go first, then
+    the transfer is refused (Overloaded) and the generate recomputes; entries expire after PENDING_TTL_S."""
 
-    def __init__(self):
+    def __init__(self, max_entries: int = 256, max_bytes: int = 1 << 30):
         self._d: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
         self._cv = threading.Condition()
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.nbytes = 0
+
+    @classmethod
+    def from_env(cls) -> "PendingKV":
+        return cls(int(os.environ.get("HETSERVE_PENDING_KV_MAX") or 256),
+                   int(float(os.environ.get("HETSERVE_PENDING_KV_MB") or 1024) * (1 << 20)))
+
+    def _drop(self, rid):
+        k, v, _ = self._d.pop(rid)
+        self.nbytes -= k.nbytes + v.nbytes
+        return k, v
 
     def put(self, rid, k, v):
+        size = k.nbytes + v.nbytes
         with self._cv:
             now = time.monotonic()
             for old in [x for x, (_, _, t) in self._d.items() if now - t > PENDING_TTL_S]:
-                del self._d[old]
+                self._drop(old)
+            if rid in self._d:
+                self._drop(rid)
+            if len(self._d) >= self.max_entries or self.nbytes + size > self.max_bytes:
+                raise Overloaded(f"pending KV full ({len(self._d)} transfers, {self.nbytes / 2**20:.0f} MiB of "
+                                 f"{self.max_bytes / 2**20:.0f} MiB) waiting for their generate requests; "
+                                 f"retry after 1.0s")
             self._d[rid] = (k, v, now)
+            self.nbytes += size
             self._cv.notify_all()
 
     def take(self, rid, timeout_s: float):
@@ -54,8 +77,7 @@ class PendingKV:
                 if left <= 0:
                     return None
                 self._cv.wait(left)
-            k, v, _ = self._d.pop(rid)
-            return k, v
+            return self._drop(rid)
 
     def __len__(self):
         return len(self._d)
@@ -82,8 +104,9 @@ class TritonPythonModel:
             max_queue=int(os.environ.get("HETSERVE_MAX_QUEUE", "64")))
         self.snapshots = Snapshotter.from_env(self.compat)
         self.sched.snapshotter = self.snapshots
-        self.pending = PendingKV()
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="decode-admit")
+        self.pending = PendingKV.from_env()
+        # admission work (waiting for KV, recompute) off the request thread; bounded like the scheduler queue
+        self.pool = BoundedExecutor(8, int(os.environ.get("HETSERVE_MAX_QUEUE", "64")), "decode-admit")
         self.counters = {"recompute": 0, "ingested": 0}
         for reason in ("timeout", "mismatch", "resume"):
             REGISTRY.declare("hetserve_kv_recompute_total", reason=reason)
@@ -110,13 +133,25 @@ class TritonPythonModel:
         self.sched.close()
         if self.snapshots is not None:
             self.snapshots.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
     # ---- ops ------------------------------------------------------------------------------------
     def _ingest(self, r):
+        """KV from kv_ingest (verified there; it proves it with the internal token) or from anyone else, which
+        is verified here: compat hash, layout, shape, context bound, size, checksum."""
         rid = scalar(r, "request_id", None, str)
-        hdr = wire.KVHeader.from_json(bytes(inp(r, "kv_header").reshape(-1)[0]))
-        payload = np.ascontiguousarray(inp(r, "kv_payload").reshape(-1), dtype=np.uint8)
+        raw, payload = inp(r, "kv_header"), inp(r, "kv_payload")
+        if not rid or raw is None or payload is None:
+            raise RequestError("op=ingest needs 'request_id', 'kv_header' and 'kv_payload'")
+        hdr = wire.KVHeader.from_json(bytes(raw.reshape(-1)[0]))
+        payload = np.ascontiguousarray(payload.reshape(-1), dtype=np.uint8)
+        if not ingest_token_ok(scalar(r, "ingest_token", "", str)):
+            check_kv_tokens(hdr, self.cfg.max_position)
+            try:
+                wire.verify(hdr, payload, self.compat, (self.cfg.num_layers, self.cfg.num_kv_heads,
+                                                        self.cfg.head_dim))
+            except wire.KVWireError as e:
+                raise RequestError(f"KV refused for request {rid}: {e}") from None
         k, v = wire.decode(hdr, payload)
         self.pending.put(rid, k, v)
         self.counters["ingested"] += 1

@@ -18,7 +18,8 @@ from ..doctor import PROBE_PREFIX
 from ..engines.manifest import read_manifest
 from ..kv import wire
 from ..kv.transport import TRANSPORTS
-from .common import RequestError, engine_dir, inp, respond_each, scalar, str_tensor
+from .common import (RequestError, check_kv_tokens, engine_dir, ingest_token, inp, respond_each, scalar,
+                     str_tensor)
 from .metrics import REGISTRY, declare_transfer_failures, transfer_failure_reason
 
 log = logging.getLogger("hetserve.kv_ingest")
@@ -41,6 +42,8 @@ class TritonPythonModel:
         self.compat = man["compat_hash"]
         c = man["config"]
         self.shape = (c["num_layers"], c["num_kv_heads"], c["head_dim"])
+        self.max_position = c["max_position"]
+        self.token = ingest_token()
         declare_transfer_failures(TRANSPORTS)
 
     def _one(self, r):
@@ -59,8 +62,9 @@ class TritonPythonModel:
         hdr = wire.KVHeader.from_json(bytes(raw.reshape(-1)[0]))
         payload = np.ascontiguousarray(payload.reshape(-1), dtype=np.uint8)
         try:
+            check_kv_tokens(hdr, self.max_position)
             wire.verify(hdr, payload, self.compat, self.shape)
-        except wire.KVWireError as e:
+        except (wire.KVWireError, RequestError) as e:
             if rid.startswith(PROBE_PREFIX):  # a deliberate doctor probe, not a transfer failure
                 raise RequestError(f"KV refused for request {rid}: {e}") from None
             REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=_transport_of(r),
@@ -71,6 +75,7 @@ class TritonPythonModel:
         req = pb_utils.InferenceRequest(
             model_name="decode",
             inputs=[str_tensor("op", ["ingest"]), str_tensor("request_id", [rid]),
+                    str_tensor("ingest_token", [self.token]),
                     pb_utils.Tensor("kv_header", raw), pb_utils.Tensor("kv_payload", payload)],
             requested_output_names=["token_ids"])
         for resp in req.exec(decoupled=True):

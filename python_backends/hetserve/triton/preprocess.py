@@ -10,12 +10,16 @@ import triton_python_backend_utils as pb_utils
 from .common import RequestError, error_response, scalar, tokenizer
 
 MAX_PROMPT_TOKENS = int(os.environ.get("HETSERVE_MAX_PROMPT_TOKENS", "4096"))
+# checked before tokenizing, so a huge body cannot make the tokenizer do unbounded work
+MAX_PROMPT_CHARS = int(os.environ.get("HETSERVE_MAX_PROMPT_CHARS", str(16 * MAX_PROMPT_TOKENS)))
 
 
 def tokenize_request(request):
     text = scalar(request, "text_input", None, str)
     if text is None:
         raise RequestError("missing input 'text_input'")
+    if len(text) > MAX_PROMPT_CHARS:
+        raise RequestError(f"prompt too long: {len(text)} characters > limit {MAX_PROMPT_CHARS}")
     if not text.strip():
         raise RequestError("empty prompt: 'text_input' must contain text")
     tok = tokenizer()
