@@ -90,7 +90,12 @@ def cmd_up(args) -> int:
             return 1
     print("servers ready", file=sys.stderr)
     rc = 0
+    fe = None
     try:
+        if not args.no_openai:
+            fe = _start_openai(args, topo.prefill_grpc, ed, bind_host(args.host))
+            if fe is None:
+                return 1
         if args.prompt:
             print(f"> {args.prompt}", file=sys.stderr)
             rc = _print_stream(topo.prefill_grpc, args.prompt, "llm", **_gen_params(args))
@@ -98,14 +103,34 @@ def cmd_up(args) -> int:
             return rc
         print(f"serving; try: hetserve generate --url {topo.prefill_grpc} \"Hello\"   (Ctrl-C stops)",
               file=sys.stderr)
-        rc = _supervise(topo.processes, getattr(topo, "restart_if_decode", None))
+        rc = _supervise(lambda: topo.processes() + ([fe] if fe else []), getattr(topo, "restart_if_decode", None))
     except KeyboardInterrupt:
         pass
     finally:
         if stop_scaler is not None:
             stop_scaler.set()
+        if fe is not None:
+            fe.stop()
         topo.stop()
     return rc
+
+
+def _start_openai(args, triton_url: str, engine_dir: str, host: str):
+    """The OpenAI-compatible frontend next to the servers (port base+80 unless --openai-port); None on failure."""
+    from .openai_api.process import FrontendProcess, FrontendSpec
+    from .server import REPO_ROOT, ServerError
+
+    port = args.openai_port or args.base_port + 80
+    fe = FrontendProcess(FrontendSpec(triton_url, port, engine_dir, host=host,
+                                      log_file=str(REPO_ROOT / ".hetserve" / "logs" / f"openai-{port}.log")))
+    try:
+        fe.start().wait_ready()
+    except ServerError as e:
+        print(f"hetserve up: {e}", file=sys.stderr)
+        fe.stop()
+        return None
+    print(f"OpenAI API: {fe.spec.url}  (models: {fe.spec.url}/models)", file=sys.stderr)
+    return fe
 
 
 def _start(topo) -> bool:
@@ -141,6 +166,15 @@ def _supervise(processes, restart=None) -> int:
 
 def cmd_serve(args) -> int:
     from .server import ServerError, ServerSpec, TritonProcess, bind_host
+
+    if args.role == "openai":
+        from .openai_api import FrontendConfig, serve
+
+        cfg = FrontendConfig.from_env(triton_url=args.triton_url, engine_dir=_engine_dir(args),
+                                      host=bind_host(args.host), port=args.http_port or 8080)
+        return serve(cfg, ready_cb=lambda c: print(f"OpenAI API on http://{c.host}:{c.port}/v1 -> Triton "
+                                                   f"{c.triton_url}", file=sys.stderr))
+    args.http_port = args.http_port or 8000
 
     env = {}
     if args.decode_url:
@@ -198,6 +232,8 @@ def main(argv=None) -> int:
     u.add_argument("--checkpoint")
     u.add_argument("--engine-dir")
     u.add_argument("--base-port", type=int, default=8000)
+    u.add_argument("--openai-port", type=int, help="OpenAI-compatible frontend port (default base+80 = 8080)")
+    u.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible frontend")
     u.add_argument("--no-pin", action="store_true", help="do not pin the servers to separate cores")
     u.add_argument("--host", help="address the servers bind (default 127.0.0.1 or HETSERVE_BIND; "
                                   "anything else exposes them beyond this machine)")
@@ -209,10 +245,12 @@ def main(argv=None) -> int:
     _add_gen(u)
     u.set_defaults(fn=cmd_up)
     s = sub.add_parser("serve", help="run one tritonserver role in the foreground (containers)")
-    s.add_argument("--role", required=True, choices=["prefill", "decode", "aggregated", "all"])
+    s.add_argument("--role", required=True, choices=["prefill", "decode", "aggregated", "all", "openai"],
+                   help="a Triton server role, or openai: the OpenAI-compatible HTTP frontend")
     s.add_argument("--engine-dir")
     s.add_argument("--model-repository")
-    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--http-port", type=int, help="HTTP port (default 8000; 8080 for --role openai)")
+    s.add_argument("--triton-url", default="127.0.0.1:8001", help="--role openai: prefill server gRPC host:port")
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
     s.add_argument("--host", help="address to bind (default 127.0.0.1 or HETSERVE_BIND; containers: 0.0.0.0)")

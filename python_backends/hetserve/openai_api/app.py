@@ -1,0 +1,324 @@
+"""OpenAI-compatible HTTP frontend (FastAPI on uvicorn) over the prefill server's `llm` model.
+
+Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream true/false, SSE), GET /health.
+The frontend tokenizes (chat template from the engine manifest, same tokenizer as the servers) so it can count
+prompt tokens and refuse over-long prompts before anything reaches Triton; `llm` gets `input_ids`.
+
+Limits (each refusal is an OpenAI-shaped error): body bytes (413), prompt characters and tokens (400), requests
+in flight (503 + Retry-After), and the model context (prompt + max_tokens, 400).
+For streams the first token is awaited before the response starts, so an error before it (bad input, overload)
+is a real HTTP status; after it, an error is sent as a final `data: {"error": ...}` event.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import logging
+import os
+from dataclasses import dataclass
+from typing import AsyncIterator, List, Optional
+
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' string annotations here
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .backend import Delta, TritonLLM
+from .schema import (ApiError, ChatRequest, CompletionRequest, GenRequest, Usage, bad_request, new_id, now,
+                     parse)
+
+log = logging.getLogger("hetserve.openai")
+
+
+@dataclass
+class FrontendConfig:
+    triton_url: str = "127.0.0.1:8001"  # prefill server gRPC
+    engine_dir: str = ""  # tokenizer + chat template + context length (the servers' engine dir)
+    model_name: str = "smollm2-135m-instruct"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_concurrent: int = 64
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int = 64 * 1024
+    default_max_tokens: int = 256
+    step_timeout_s: float = 60.0
+
+    @classmethod
+    def from_env(cls, **kw) -> "FrontendConfig":
+        e = os.environ.get
+        base = dict(triton_url=e("HETSERVE_OPENAI_TRITON_URL", cls.triton_url),
+                    engine_dir=e("HETSERVE_ENGINE_DIR", ""),
+                    model_name=e("HETSERVE_OPENAI_MODEL", cls.model_name),
+                    max_concurrent=int(e("HETSERVE_OPENAI_MAX_CONCURRENT", cls.max_concurrent)),
+                    max_body_bytes=int(e("HETSERVE_OPENAI_MAX_BODY_BYTES", cls.max_body_bytes)),
+                    max_prompt_chars=int(e("HETSERVE_OPENAI_MAX_PROMPT_CHARS", cls.max_prompt_chars)),
+                    default_max_tokens=int(e("HETSERVE_OPENAI_DEFAULT_MAX_TOKENS", cls.default_max_tokens)))
+        base.update({k: v for k, v in kw.items() if v is not None})
+        return cls(**base)
+
+
+class Model:
+    """Tokenizer, chat template and context length of the served model (from the engine manifest)."""
+
+    def __init__(self, engine_dir: str):
+        from ..engines.builder import default_engine_dir, load_tokenizer
+        from ..engines.manifest import read_manifest
+
+        d = engine_dir or default_engine_dir()
+        man = read_manifest(d)
+        if man is None:
+            raise FileNotFoundError(f"{d}: no manifest.json (run `hetserve build` or pass --engine-dir)")
+        self.tok = load_tokenizer(d)
+        self.context = int(man["config"]["max_position"])
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Frontend:
+    def __init__(self, cfg: FrontendConfig):
+        self.cfg = cfg
+        self.model = Model(cfg.engine_dir)
+        self.llm = TritonLLM(cfg.triton_url, max_concurrent=cfg.max_concurrent, step_timeout_s=cfg.step_timeout_s)
+
+    # ---- request -> GenRequest ------------------------------------------------------------------
+    def _check_model(self, name: str):
+        if name != self.cfg.model_name:
+            raise ApiError(404, f"The model '{name}' does not exist (served: '{self.cfg.model_name}')",
+                           param="model", code="model_not_found")
+
+    def _tokens(self, text: str, param: str) -> List[int]:
+        if len(text) > self.cfg.max_prompt_chars:
+            raise bad_request(f"prompt is {len(text)} characters; the limit is {self.cfg.max_prompt_chars}", param)
+        return self.model.tok.encode(text)
+
+    def _gen(self, r, ids: List[int], max_tokens: Optional[int], param: str) -> GenRequest:
+        if not ids:
+            raise bad_request("empty prompt", param)
+        vocab = self.model.tok.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise bad_request(f"token id out of range [0, {vocab})", param)
+        room = self.model.context - len(ids)
+        if room < 1:
+            raise bad_request(f"prompt is {len(ids)} tokens; this model's context is {self.model.context}", param)
+        if max_tokens is None:
+            max_tokens = min(self.cfg.default_max_tokens, room)
+        elif max_tokens > room:
+            raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                              f"{self.model.context} tokens", "max_tokens")
+        return GenRequest(input_ids=ids, max_tokens=max_tokens,
+                          temperature=1.0 if r.temperature is None else r.temperature,
+                          top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
+                          seed=random.getrandbits(63) if r.seed is None else r.seed,  # OpenAI: no seed = random
+                          stop=list(r.stop or []), ignore_eos=r.ignore_eos)
+
+    def chat_request(self, body) -> tuple:
+        r = parse(ChatRequest, body)
+        self._check_model(r.model)
+        try:
+            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in r.messages]
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        if sum(len(m["content"]) for m in msgs) > self.cfg.max_prompt_chars:
+            raise bad_request(f"messages exceed {self.cfg.max_prompt_chars} characters", "messages")
+        text = self.model.tok.apply_chat_template(msgs, add_generation_prompt=True)
+        mt = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+        return r, self._gen(r, self._tokens(text, "messages"), mt, "messages")
+
+    def completion_request(self, body) -> tuple:
+        r = parse(CompletionRequest, body)
+        self._check_model(r.model)
+        p = r.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise bad_request("only one prompt per request is supported", "prompt")
+            p = p[0]
+        ids = self._tokens(p, "prompt") if isinstance(p, str) else [int(x) for x in p]
+        return r, self._gen(r, ids, r.max_tokens, "prompt")
+
+    # ---- responses ------------------------------------------------------------------------------
+    async def collect(self, gen: GenRequest):
+        text, n, reason = [], 0, None
+        async for d in self.llm.generate(gen):
+            text.append(d.text)
+            n += len(d.token_ids)
+            reason = d.finish_reason or reason
+        return "".join(text), Usage(len(gen.input_ids), n), reason or "stop"
+
+    def chat_body(self, rid, text, usage, reason) -> dict:
+        return {"id": rid, "object": "chat.completion", "created": now(), "model": self.cfg.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": reason}],
+                "usage": usage.as_dict()}
+
+    def completion_body(self, rid, text, usage, reason) -> dict:
+        return {"id": rid, "object": "text_completion", "created": now(), "model": self.cfg.model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
+                "usage": usage.as_dict()}
+
+    async def sse(self, chat: bool, rid: str, r, gen: GenRequest, first: Delta,
+                  rest: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+        """SSE chunks; `first` was already received (so errors before it became HTTP statuses)."""
+        created, model = now(), self.cfg.model_name
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool(r.stream_options and r.stream_options.include_usage)
+        usage = Usage(len(gen.input_ids), 0)
+
+        def chunk(text: Optional[str], reason: Optional[str], role: bool = False) -> dict:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                if role:
+                    delta = {"role": "assistant", "content": text or ""}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            c = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            if include_usage:
+                c["usage"] = None
+            return c
+
+        try:
+            d = first
+            role = chat
+            while True:
+                usage.completion_tokens += len(d.token_ids)
+                if d.text or role:
+                    yield _sse(chunk(d.text, None, role=role))
+                    role = False
+                if d.finish_reason:
+                    yield _sse(chunk(None if chat else "", d.finish_reason))
+                    break
+                d = await rest.__anext__()
+            if include_usage:
+                yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                            "usage": usage.as_dict()})
+            yield b"data: [DONE]\n\n"
+        except ApiError as e:
+            yield _sse(e.body())
+            yield b"data: [DONE]\n\n"
+        except StopAsyncIteration:
+            yield _sse({"error": {"message": "generation ended without a finish reason", "type": "server_error",
+                                  "param": None, "code": "upstream_error"}})
+        finally:
+            await rest.aclose()  # on client disconnect this cancels the Triton request -> decode frees it
+
+
+def create_app(cfg: FrontendConfig) -> FastAPI:
+    fe = Frontend(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await fe.llm.close()
+
+    app = FastAPI(title="hetserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.frontend = fe
+
+    def err_response(e: ApiError, rid: Optional[str] = None):
+        headers = {"Retry-After": e.retry_after} if e.retry_after else {}
+        if rid:
+            headers["X-Request-Id"] = rid
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return err_response(e)
+
+    @app.exception_handler(404)
+    async def _not_found(request, e):
+        return err_response(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    @app.exception_handler(405)
+    async def _bad_method(request, e):
+        return err_response(ApiError(405, f"method {request.method} not allowed on {request.url.path}"))
+
+    async def read_json(request: Request):
+        n = request.headers.get("content-length")
+        if n is not None and n.isdigit() and int(n) > cfg.max_body_bytes:
+            raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes", code="body_too_large")
+        buf = bytearray()
+        async for part in request.stream():
+            buf += part
+            if len(buf) > cfg.max_body_bytes:
+                raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes", code="body_too_large")
+        try:
+            return json.loads(bytes(buf))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"request body is not valid JSON: {e}") from None
+
+    async def watch_disconnect(request: Request, task: asyncio.Task):
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()  # aborts the generator -> cancels the Triton request
+                return
+            await asyncio.sleep(0.2)
+
+    async def serve(request: Request, chat: bool):
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        body = await read_json(request)
+        r, gen = fe.chat_request(body) if chat else fe.completion_request(body)
+        gen.request_id = rid
+        if not r.stream:
+            task = asyncio.ensure_future(fe.collect(gen))
+            watcher = asyncio.ensure_future(watch_disconnect(request, task))
+            try:
+                text, usage, reason = await task
+            except asyncio.CancelledError:
+                return JSONResponse({}, status_code=499)  # nobody is listening any more
+            except ApiError as e:
+                return err_response(e, rid)
+            finally:
+                watcher.cancel()
+            out = (fe.chat_body if chat else fe.completion_body)(rid, text, usage, reason)
+            return JSONResponse(out, headers={"X-Request-Id": rid})
+        agen = fe.llm.generate(gen)
+        try:
+            first = await agen.__anext__()
+        except ApiError as e:
+            await agen.aclose()
+            return err_response(e, rid)
+        return StreamingResponse(fe.sse(chat, rid, r, gen, first, agen), media_type="text/event-stream",
+                                 headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, False)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
+                                            "owned_by": "hetserve"}]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        fe._check_model(name)
+        return {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "hetserve"}
+
+    @app.get("/health")
+    async def health():
+        ok = await fe.llm.ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "triton": cfg.triton_url},
+                            status_code=200 if ok else 503)
+
+    return app
+
+
+def serve(cfg: FrontendConfig, ready_cb=None) -> int:
+    """Run uvicorn in the foreground (SIGINT/SIGTERM stop it)."""
+    import uvicorn
+
+    app = create_app(cfg)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5, limit_concurrency=cfg.max_concurrent * 2 + 16)
+    server = uvicorn.Server(config)
+    if ready_cb is not None:
+        ready_cb(cfg)
+    server.run()
+    return 0

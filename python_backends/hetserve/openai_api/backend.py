@@ -1,0 +1,132 @@
+"""The frontend's link to the prefill server: one gRPC stream to `llm` per request (tritonclient.grpc.aio, one
+shared channel), at most `max_concurrent` at a time.
+
+Cancelling the stream (client disconnect, or the frontend ending early) cancels the Triton request; `llm` sees
+`is_cancelled()` at the next decode step and cancels its decode stream, so the decode server frees the sequence.
+Errors come back as text only (Triton's streaming gRPC responses carry no status code), so they are classified
+here: hetserve.retry's overload vocabulary -> 503 + Retry-After, Triton's "unknown model"/"not found" -> 503 (the
+server has no `llm`: misdeployed, not the client's fault), everything else from `llm` -> 400 (it validates input
+and reports internal failures as such) unless it says "internal" or the call itself failed (-> 502).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator, List, Optional
+
+import grpc
+
+from .. import retry
+from ..client import build_inputs
+from .schema import ApiError, GenRequest
+
+log = logging.getLogger("hetserve.openai")
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str]
+
+
+def classify(msg: str, call_failed: bool = False) -> ApiError:
+    if retry.is_overload(msg):
+        return ApiError(503, msg, "server_error", code="overloaded", retry_after=retry.header_value(msg))
+    if call_failed or "unknown model" in msg or "not found" in msg.lower():
+        return ApiError(502 if call_failed else 503, f"inference server: {msg}", "server_error",
+                        code="upstream_error", retry_after=None if call_failed else "1")
+    if "internal" in msg.lower():
+        return ApiError(500, msg, "server_error", code="internal_error")
+    return ApiError(400, msg)
+
+
+class Overload:
+    """Non-blocking admission: a request over `limit` is refused at once (503), never queued unboundedly."""
+
+    def __init__(self, limit: int):
+        self.limit, self.active = limit, 0
+
+    def __enter__(self):
+        if self.active >= self.limit:
+            raise ApiError(503, retry.hint(f"frontend busy: {self.limit} requests in flight (--max-concurrent)"),
+                           "server_error", code="overloaded", retry_after="1")
+        self.active += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.active -= 1
+
+
+class TritonLLM:
+    def __init__(self, url: str, model: str = "llm", max_concurrent: int = 64, step_timeout_s: float = 60.0):
+        self.url, self.model, self.step_timeout_s = url, model, step_timeout_s
+        self.admission = Overload(max_concurrent)
+        self._client = None
+
+    def client(self):
+        if self._client is None:  # created inside the server's event loop
+            import tritonclient.grpc.aio as grpcaio
+
+            self._client = grpcaio.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self):
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.client().is_model_ready(self.model))
+        except Exception:
+            return False
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[Delta]:
+        """Stream deltas until the final response; raises ApiError. Closing the generator early cancels the
+        Triton request."""
+        done = asyncio.Event()
+        request = {"model_name": self.model, "inputs": build_inputs(None, **req.params()),
+                   "request_id": req.request_id, "enable_empty_final_response": True}
+
+        async def requests():
+            yield request
+            await done.wait()  # keep our half of the stream open until the answer is complete
+
+        with self.admission:
+            try:
+                it = self.client().stream_infer(requests())
+            except Exception as e:
+                raise classify(str(e), call_failed=True) from None
+            finished = False
+            try:
+                while True:
+                    try:
+                        result, err = await asyncio.wait_for(it.__anext__(), self.step_timeout_s)
+                    except asyncio.TimeoutError:
+                        raise ApiError(504, f"no response from {self.model} for {self.step_timeout_s:.0f}s",
+                                       "server_error", code="timeout") from None
+                    except StopAsyncIteration:
+                        raise classify("stream ended before the final response", call_failed=True) from None
+                    except grpc.RpcError as e:
+                        raise classify(f"{e.code().name}: {e.details()}", call_failed=True) from None
+                    if err is not None:
+                        raise classify(err.message() if hasattr(err, "message") else str(err))
+                    resp = result.get_response()
+                    fp = resp.parameters.get("triton_final_response")
+                    final = bool(fp and fp.bool_param)
+                    txt = result.as_numpy("text_output")
+                    ids = result.as_numpy("token_ids")
+                    fr = result.as_numpy("finish_reason")
+                    yield Delta(txt.reshape(-1)[0].decode("utf-8", "replace") if txt is not None and txt.size else "",
+                                [] if ids is None else [int(i) for i in ids.reshape(-1)],
+                                (fr.reshape(-1)[0].decode() or None) if fr is not None and fr.size else
+                                ("stop" if final else None))
+                    if final:
+                        finished = True
+                        return
+            finally:
+                done.set()
+                if not finished:
+                    it.cancel()  # client gone or error: Triton cancels the llm request -> decode frees it
