@@ -248,3 +248,40 @@ def test_frontend_overload_is_503_with_retry_after(topology, engine_dir):
         assert r.usage.completion_tokens >= 1
     finally:
         fe.stop()
+
+
+def test_breaker_open_is_503_with_retry_after(topology, engine_dir):
+    """A second prefill server (same decode server) whose breaker opens after one slow request: the frontend
+    answers 503 + Retry-After from the breaker's own hint, with an OpenAI error body, stream or not."""
+    from hetserve.server import REPO_ROOT, ServerSpec, TritonProcess
+
+    b = topology.base_port + 200
+    env = {"HETSERVE_DECODE_URL": topology.decode_grpc, "HETSERVE_BREAKER_P99_MS": "1",
+           "HETSERVE_BREAKER_MIN_SAMPLES": "1", "HETSERVE_BREAKER_OPEN_S": "30"}
+    pf = TritonProcess(ServerSpec("prefill", b, b + 1, b + 2, engine_dir, env=env,
+                                  log_file=str(REPO_ROOT / ".hetserve" / "logs" / f"prefill-breaker-{b}.log")))
+    pf.start()
+    fe = None
+    try:
+        pf.wait_ready(300)
+
+        class _Topo:
+            prefill_grpc = pf.spec.grpc_url
+
+        fe = _frontend(_Topo, engine_dir, b + 80)
+        c = openai.OpenAI(base_url=fe.spec.url, api_key="unused", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": "hi"}]
+        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)  # > 1 ms TTFT: the breaker opens
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError) as ei:
+                r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, stream=stream)
+                if stream:
+                    list(r)
+            e = ei.value
+            assert e.status_code == 503, e
+            assert 1 <= int(e.response.headers["retry-after"]) <= 30
+            assert e.body["code"] == "overloaded" and "circuit breaker open" in e.body["message"]
+    finally:
+        if fe is not None:
+            fe.stop()
+        pf.stop()
