@@ -372,8 +372,12 @@ KV_TIERS: dict[str, KVTier] = {t.name: t for t in (
 
 
 def lookup(table: Mapping[str, Any], name: str, what: str) -> Any:
-    try:
+    """Preset by name, case-insensitively (people write H100, L40S, Llama3-8B)."""
+    if name in table:
         return table[name]
+    folded = {k.casefold(): v for k, v in table.items()}
+    try:
+        return folded[str(name).strip().casefold()]
     except KeyError:
         raise ValueError(f"unknown {what} {name!r}; choose from {', '.join(table)}") from None
 
