@@ -4,8 +4,9 @@ Both live in the orchestrator (`llm` on the prefill server) and are plain Python
 
 DecodePool
   * members: HETSERVE_DECODE_URL (comma list) plus, when HETSERVE_DECODE_REGISTRY names a file, the URLs in it
-    (one per line or a JSON list), plus every address HETSERVE_DECODE_DNS (host:port) resolves to (a
-    Kubernetes headless Service); re-read at every health round, which is how autoscaling adds/removes members.
+    (one per line or a JSON list), plus every address HETSERVE_DECODE_DNS (host:port, comma list) resolves to (a
+    Kubernetes headless Service: one record per ready pod); re-read at every health round, which is how
+    autoscaling adds/removes members. A failed lookup keeps the last DNS answer; a name without records has none.
   * every `interval_s` (default 5 s): Triton server-ready + model-ready + a canary inference (one engine step on
     the decode server, with a deadline), in parallel across members. Failing the check marks a member down;
     passing it brings it back. A request that fails on a member also marks it down at once (passive check).
