@@ -163,7 +163,9 @@ def test_dns_discovery_end_to_end(engine_dir, tmp_path, monkeypatch):
     prefill = TritonProcess(ServerSpec(
         "prefill", BASE_PORT, BASE_PORT + 1, BASE_PORT + 2, engine_dir, log_file=str(tmp_path / "prefill.log"),
         env={**light, "HETSERVE_DECODE_URL": "", "HETSERVE_DECODE_DNS": f"{HOSTS_NAME}:{dport + 1}",
-             "HETSERVE_HEALTH_INTERVAL_S": "1", "HETSERVE_KV_TRANSPORT": "grpc", "HETSERVE_BREAKER_P99_MS": "60000"}))
+             "HETSERVE_HEALTH_INTERVAL_S": "1", "HETSERVE_KV_TRANSPORT": "grpc", "HETSERVE_BREAKER_P99_MS": "60000",
+             # a busy CI box must not fail canaries (a member marked down would skew the routing counts below)
+             "HETSERVE_HEALTH_TIMEOUT_S": "20"}))
     procs = list(decodes.values()) + [prefill]
     try:
         for p in decodes.values():
