@@ -38,7 +38,13 @@ GRAFANA_DIR = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA_DIR / "dashboards" / "hetserve.json"
 LOADTEST = ROOT / "loadtest"
 
-TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
+# 25.07: first NGC release with the fixes of NVIDIA's August 2025 Triton bulletin (python backend shm chain
+# CVE-2025-23319/23320/23334, HTTP CVE-2025-23310/23311/23317); see docker-compose.yml
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:25.07-py3"
+# what compose may publish on the host: the client entry points (lb) and loopback-only dashboards
+PUBLISHED = {"8000:8000", "8001:8001", "8080:8080", "127.0.0.1:9090:9090", "127.0.0.1:3000:3000"}
+SECRETS = {"HETSERVE_ADMIN_KEY": "test-admin-key", "HETSERVE_REDIS_PASSWORD": "test-redis-pw",
+           "GRAFANA_ADMIN_PASSWORD": "test-grafana-pw"}
 
 HETSERVE_METRICS = {
     "hetserve_ttft_seconds",
@@ -119,7 +125,8 @@ def _command(service: dict) -> str:
 
 
 def _default(value: str) -> str:
-    """'${VAR:-default}' -> 'default' (compose interpolation of an unset VAR)."""
+    """'${VAR:-default}' -> 'default' (compose interpolation of an unset VAR); required '${VAR:?msg}' -> '<VAR>'."""
+    value = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?\?[^}]*\}", r"<\1>", value)
     return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*:?-([^}]*)\}", r"\1", value)
 
 
@@ -142,8 +149,8 @@ def _gpu_ids(service: dict) -> list[str]:
 
 def test_compose_services(compose):
     services = compose["services"]
-    assert {"prefill", "decode", "build", "lb", "redis", "prometheus", "grafana"} <= set(services)
-    for name in ("prefill", "decode", "build"):
+    assert {"prefill", "decode", "build", "lb", "redis", "prometheus", "grafana", "openai"} <= set(services)
+    for name in ("prefill", "decode", "build", "openai"):
         assert _default(services[name]["image"]) == TRITON_IMAGE, name
     assert services["lb"]["image"] == "nginx:1.27"
     assert services["redis"]["image"].startswith("redis:7")
@@ -168,6 +175,7 @@ def test_compose_triton_servers(compose, role, http, grpc, metrics):
     cmd = " ".join(_command(svc).replace("\\\n", " ").split())
     assert "pip install" in cmd and "-e /workspace" in cmd
     assert f"hetserve serve --role {role}" in cmd
+    assert "--host 0.0.0.0" in cmd  # loopback is the default; containers are reached over the compose network
     assert "--model-repository /models" in cmd
     for flag, port in (("--http-port", http), ("--grpc-port", grpc), ("--metrics-port", metrics)):
         assert f"{flag} {port}" in cmd, (flag, cmd)
@@ -181,24 +189,54 @@ def test_compose_triton_servers(compose, role, http, grpc, metrics):
     env = {k: _default(v) for k, v in _env(svc).items()}
     assert env["HETSERVE_DECODE_URL"] == "decode:9001"
     assert env["HETSERVE_KV_TRANSPORT"] == "grpc"
-    assert env["HETSERVE_REDIS_URL"] == "redis://redis:6379/0"
+    assert env["HETSERVE_REDIS_URL"] == "redis://:<HETSERVE_REDIS_PASSWORD>@redis:6379/0"
+    assert env["HETSERVE_ADMIN_KEY"] == "<HETSERVE_ADMIN_KEY>"  # required from the environment, no default
     assert env["HETSERVE_ROLE"] == role
     assert all(k.startswith(("HETSERVE_", "PIP_", "PYTHON")) for k in env), env
-    # Metrics reach Prometheus (and the host, for prometheus-local.yml users).
-    assert f"{metrics}:{metrics}" in _ports(svc)
+    # Metrics reach Prometheus on the compose network only; nothing of a Triton server is published.
+    assert str(metrics) in [str(p) for p in svc["expose"]]
+    assert not _ports(svc)
     assert svc["depends_on"]["build"]["condition"] == "service_completed_successfully"
 
 
 def test_compose_ports_and_dependencies(compose):
     services = compose["services"]
-    assert {"9000:9000", "9001:9001", "9002:9002"} <= _ports(services["decode"])
-    # Clients enter through the balancer on the prefill server's ports.
-    assert {"8000:8000", "8001:8001"} <= _ports(services["lb"])
-    assert not {"8000:8000", "8001:8001"} & _ports(services["prefill"])
+    # Clients enter through the balancer only (Triton HTTP/gRPC + the OpenAI API); no decode, metrics, Redis
+    # or admin port is published; the dashboards only on the host's loopback.
+    assert _ports(services["lb"]) == {"8000:8000", "8001:8001", "8080:8080"}
+    for name in ("prefill", "decode", "openai", "redis", "build"):
+        assert not _ports(services[name]), name
+    published = set().union(*(_ports(s) for s in services.values()))
+    assert published <= PUBLISHED, published - PUBLISHED
+    assert _ports(services["prometheus"]) == {"127.0.0.1:9090:9090"}
+    assert _ports(services["grafana"]) == {"127.0.0.1:3000:3000"}
     assert services["prefill"]["depends_on"]["decode"]["condition"] == "service_healthy"
     assert services["lb"]["depends_on"]["prefill"]["condition"] == "service_healthy"
-    assert "9090:9090" in _ports(services["prometheus"])
-    assert "3000:3000" in _ports(services["grafana"])
+    assert services["lb"]["depends_on"]["openai"]["condition"] == "service_healthy"
+
+
+def test_compose_openai_frontend(compose):
+    svc = compose["services"]["openai"]
+    cmd = " ".join(_command(svc).replace("\\\n", " ").split())
+    assert 'pip install --no-cache-dir -e "/workspace[openai]"' in cmd
+    assert "hetserve serve --role openai --triton-url prefill:8001" in cmd and "--http-port 8080" in cmd
+    assert "--host 0.0.0.0" in cmd and "--engine-dir /engines" in cmd
+    assert "localhost:8080/health" in " ".join(svc["healthcheck"]["test"])
+    assert svc["depends_on"]["prefill"]["condition"] == "service_healthy"
+
+
+def test_compose_secrets_from_env_no_weak_defaults(compose):
+    services = compose["services"]
+    g = _env(services["grafana"])
+    assert g["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?"), g
+    assert g["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in g
+    r = services["redis"]
+    assert _env(r)["REDIS_PASSWORD"].startswith("${HETSERVE_REDIS_PASSWORD:?")
+    assert "--requirepass" in _command(r) and "$$REDIS_PASSWORD" in _command(r)
+    assert "$$REDIS_PASSWORD" in " ".join(r["healthcheck"]["test"])
+    assert not any("lifecycle" in a for a in services["prometheus"]["command"])
+    assert "admin:admin" not in COMPOSE.read_text() and ":-admin}" not in COMPOSE.read_text().replace(
+        "GRAFANA_ADMIN_USER:-admin}", "")
 
 
 def test_compose_build_service(compose):
@@ -216,7 +254,7 @@ def test_compose_healthchecks(compose):
         hc = services[name].get("healthcheck")
         assert hc and hc["interval"] == "5s", name
     assert "/v2/health/ready" in " ".join(services["lb"]["healthcheck"]["test"])
-    assert "redis-cli" in services["redis"]["healthcheck"]["test"]
+    assert "redis-cli" in " ".join(services["redis"]["healthcheck"]["test"])
 
 
 def test_compose_lb_prometheus_grafana_mounts(compose):
@@ -255,8 +293,12 @@ def test_compose_cli_config():
     cli = _compose_cli()
     if cli is None:
         pytest.skip("neither `docker compose` nor `docker-compose` is installed")
-    proc = _run(cli + ["-f", str(COMPOSE), "config", "-q"], env=_clean_env())
+    proc = _run(cli + ["-f", str(COMPOSE), "config", "-q"], env={**_clean_env(), **SECRETS})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # without the secrets compose refuses to start anything
+    env = {k: v for k, v in _clean_env().items() if k not in SECRETS}
+    proc = _run(cli + ["-f", str(COMPOSE), "config", "-q"], env=env)
+    assert proc.returncode != 0 and "set " in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
 # ----------------------------------------------------------------------- nginx
@@ -269,9 +311,31 @@ def test_nginx_conf_structure():
     assert re.search(r"listen\s+8001\s+http2\s*;", conf)
     assert "grpc_pass grpc://triton_grpc;" in conf
     assert "proxy_pass http://triton_http;" in conf
-    assert "location = /v2/health/ready" in conf
+    assert "location ~ ^/v2/health/(ready|live)$" in conf
     assert "proxy_buffering off;" in conf  # SSE token streaming
     assert re.search(r"grpc_read_timeout\s+\d+s;", conf)
+    assert re.search(r"upstream\s+openai_http\s*\{[^}]*server\s+openai:8080", conf)
+    assert re.search(r"listen\s+8080\s*;", conf)
+
+
+def test_nginx_allow_list_only():
+    """Only the client models' generate/infer + health (HTTP), inference + health methods (gRPC) and the OpenAI
+    routes are proxied; every server's catch-all refuses (the live check is tests/test_openai.py)."""
+    conf = NGINX.read_text()
+    body = re.sub(r"#[^\n]*", "", conf)
+    proxied = re.findall(r"location\s+([^{]*)\{[^}]*(?:proxy_pass|grpc_pass)", body)
+    for loc in proxied:
+        loc = loc.strip()
+        assert loc.startswith(("~ ^/v2/models/(llm|ensemble|aggregated)", "~ ^/v2/health/", "= /v1/models",
+                               "~ ^/v1/(chat/completions|completions|models/",
+                               "~ ^/inference\\.GRPCInferenceService/(ModelInfer|ModelStreamInfer|ServerLive|")), loc
+    assert not any("repository" in loc or "sharedmemory" in loc.lower() or "Trace" in loc or "Log" in loc
+                   for loc in proxied), proxied
+    catch_alls = re.findall(r"location\s+/\s*\{([^}]*)\}", body)
+    assert len(catch_alls) == 3, catch_alls
+    assert all("proxy_pass" not in c and "grpc_pass" not in c for c in catch_alls)
+    assert sum("return 403" in c for c in catch_alls) == 2
+    assert any("grpc-status 7" in c for c in catch_alls)  # PERMISSION_DENIED
 
 
 def test_nginx_conf_syntax(tmp_path):
@@ -282,7 +346,7 @@ def test_nginx_conf_syntax(tmp_path):
         pytest.skip("nginx is not installed")
     # nginx -t resolves upstream host names; compose's "prefill" only exists in
     # the compose network, so test a copy that points at loopback.
-    conf = NGINX.read_text().replace("prefill:", "127.0.0.1:")
+    conf = NGINX.read_text().replace("prefill:", "127.0.0.1:").replace("openai:", "127.0.0.1:")
     (tmp_path / "logs").mkdir()
     path = tmp_path / "nginx.conf"
     path.write_text(conf)
