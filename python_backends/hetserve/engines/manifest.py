@@ -14,12 +14,14 @@ from typing import Optional
 from ..model.checkpoint import LlamaConfig
 
 KV_LAYOUT = "L,KVH,T,D"  # per sequence: [layers, kv_heads, tokens, head_dim], K after RoPE (HF rotate_half)
+KV_WIRE_VERSION = 2  # kv/wire.py byte format (v2: per-token 8-bit scales); in the hash so old peers disagree
 MANIFEST_VERSION = 1
 
 
 def compat_hash(source_hash: str, config: LlamaConfig) -> str:
     blob = json.dumps({"source": source_hash, "config": config.to_dict(), "kv_layout": KV_LAYOUT,
-                       "rope": "hf_rotate_half", "v": MANIFEST_VERSION}, sort_keys=True)
+                       "rope": "hf_rotate_half", "v": MANIFEST_VERSION,
+                       "kv_wire": KV_WIRE_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
