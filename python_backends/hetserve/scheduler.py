@@ -1,14 +1,14 @@
 """Iteration-level (continuous) batching for the decode server.
 
 Sequences join and leave at every step; each step makes one engine call per precision group for the whole
-batch. KV of the running batch lives in one batch-major buffer [rows, L, KVH, cap, D] whose first n rows are
-the active sequences, so the engine input is a contiguous view with no per-step copy; a retiring sequence's
-row is refilled by the last row (one row copy).
+batch. The running sequences' KV lives in one place: the engine's decode batch (engines/decode_batch.py, one
+preallocated buffer per precision whose first n rows are the active sequences; the fused GQA engine appends
+each step's K/V there in place). A retiring sequence's row is refilled by the last row (one row copy).
 
-The KV memory budget is a paged block pool (kv/blocks.py): every sequence's KV lives in pool blocks (waiting
-ones anywhere in the tier stack, running ones pinned on the device tier and written through each step), and
-the batch buffer is the engine's contiguous working copy of the running rows. A sequence is admitted when the
-device tier can hold its KV plus one block of headroom. When a running sequence needs a new block and the
+The KV memory budget is a paged block pool (kv/blocks.py): waiting sequences' KV lives in pool blocks anywhere
+in the tier stack; a running sequence is *attached* (its blocks stay counted and pinned on the device tier,
+but hold no data: the batch row is the KV). It is copied back into blocks only when it is preempted; snapshots
+read the batch rows. A sequence is admitted when the device tier can hold its KV plus one block of headroom. When a running sequence needs a new block and the
 device tier is full, the lowest-priority, newest running sequence is preempted: its blocks are swapped down a
 tier and it resumes (bit-exact, so greedy output is unchanged) when blocks free up. Without a lower tier to
 swap to, or if a tier lost the blocks, the KV is recomputed from `prompt_ids` on resume.
@@ -25,13 +25,10 @@ from typing import Callable, Deque, Dict, List, Optional
 
 import numpy as np
 
-from .engines.runtime import NEG_INF
 from .kv.blocks import BlockPool, KVLost, PoolFull
 from .sampling import SamplingParams, is_stop_token, sample
 
 log = logging.getLogger("hetserve.scheduler")
-
-CAP_CHUNK = 64
 
 
 class Overloaded(RuntimeError):
@@ -64,65 +61,6 @@ class Sequence:
         return self.prompt_len + self.params.max_tokens
 
 
-class BatchKV:
-    def __init__(self, L: int, H: int, D: int):
-        self.L, self.H, self.D = L, H, D
-        self.rows, self.cap = 0, 0
-        self.k = np.zeros((0, L, H, 0, D), np.float32)
-        self.v = np.zeros_like(self.k)
-        self.lens = np.zeros(0, np.int64)
-        self.n = 0
-
-    def _realloc(self, rows: int, cap: int):
-        k = np.zeros((rows, self.L, self.H, cap, self.D), np.float32)
-        v = np.zeros_like(k)
-        m = self.n
-        if m:
-            c = min(cap, self.cap)
-            k[:m, :, :, :c] = self.k[:m, :, :, :c]
-            v[:m, :, :, :c] = self.v[:m, :, :, :c]
-        lens = np.zeros(rows, np.int64)
-        lens[:m] = self.lens[:m]
-        self.k, self.v, self.lens, self.rows, self.cap = k, v, lens, rows, cap
-
-    def ensure(self, rows: int, length: int):
-        cap = self.cap
-        if length > cap:
-            cap = ((length + CAP_CHUNK - 1) // CAP_CHUNK) * CAP_CHUNK
-        r = self.rows
-        while r < rows:
-            r = max(1, 2 * r)
-        if cap != self.cap or r != self.rows:
-            self._realloc(r, cap)
-
-    def add(self, k: np.ndarray, v: np.ndarray) -> int:
-        P = k.shape[2]
-        self.ensure(self.n + 1, P + 1)
-        row = self.n
-        self.k[row, :, :, :P] = k
-        self.v[row, :, :, :P] = v
-        self.k[row, :, :, P:] = 0
-        self.v[row, :, :, P:] = 0
-        self.lens[row] = P
-        self.n += 1
-        return row
-
-    def remove(self, row: int) -> Optional[int]:
-        """Free `row`; returns the old index of the row moved into it (or None)."""
-        last = self.n - 1
-        moved = None
-        if row != last:
-            ln = int(self.lens[last])
-            self.k[row, :, :, :ln] = self.k[last, :, :, :ln]
-            self.v[row, :, :, :ln] = self.v[last, :, :, :ln]
-            self.lens[row] = ln
-            moved = last
-        self.n -= 1
-        if self.n == 0:
-            self._realloc(0, 0)
-        return moved
-
-
 class DecodeScheduler:
     def __init__(self, engines: Dict[str, "object"], eos_ids=(), max_batch: int = 16,
                  kv_budget_bytes: int = 2 << 30, max_queue: int = 64, idle_wait_s: float = 0.05,
@@ -144,7 +82,7 @@ class DecodeScheduler:
         self._kv_ids = itertools.count()
         self._idle_demote_s = idle_demote_s
         self._last_idle_check = self._last_sweep = time.monotonic()
-        self.batches = {p: BatchKV(c.num_layers, c.num_kv_heads, c.head_dim) for p in engines}
+        self.batches = {p: e.new_batch(max_batch) for p, e in engines.items()}  # the running KV
         self.running: Dict[str, List[Sequence]] = {p: [] for p in engines}
         self.waiting: Deque[Sequence] = collections.deque()
         self.cv = threading.Condition()
@@ -227,7 +165,7 @@ class DecodeScheduler:
         if s.kv_id in pool:
             try:
                 pool.activate(s.kv_id, s.kv_len + 1)
-                return pool.read(s.kv_id)
+                return pool.attach(s.kv_id)
             except KVLost as e:
                 log.warning("KV of %s lost (%s); recomputing", s.request_id, e)
                 pool.free(s.kv_id)
@@ -238,7 +176,7 @@ class DecodeScheduler:
         s.kv_id = next(self._kv_ids)
         pool.add(s.kv_id, k, v)
         pool.activate(s.kv_id, s.kv_len + 1)
-        return pool.read(s.kv_id)
+        return pool.attach(s.kv_id)
 
     def _reserve_blocks(self):
         """Give every running sequence a block slot for the token this step writes. When the device tier is
@@ -264,9 +202,12 @@ class DecodeScheduler:
         return False
 
     def _preempt(self, s: Sequence):
-        """Take s out of the batch and swap its KV down a tier (or drop it to recompute on resume)."""
-        self._remove_row(s.precision, s)
+        """Copy s's KV out of the batch into its blocks, take it out of the batch and swap the blocks down a
+        tier (or drop them to recompute on resume)."""
         pool = self.kv_pool
+        k, v = self.batches[s.precision].row_kv(self.running[s.precision].index(s))
+        pool.detach(s.kv_id, k, v)
+        self._remove_row(s.precision, s)
         pool.deactivate(s.kv_id)
         try:
             where = f"{pool.demote(s.kv_id)} blocks swapped down"
@@ -317,23 +258,9 @@ class DecodeScheduler:
         for prec, seqs in self.running.items():
             if not seqs:
                 continue
-            bk = self.batches[prec]
-            n = bk.n
-            bk.ensure(n, int(bk.lens[:n].max()) + 1)
-            cap = bk.cap
-            lens = bk.lens[:n]
-            mask = np.zeros((n, 1, 1, cap + 1), np.float32)
-            col = np.arange(cap)
-            mask[:, 0, 0, :cap] = np.where(col[None, :] < lens[:, None], 0.0, NEG_INF)
-            ids = np.array([[s.tokens[-1]] for s in seqs], np.int64)
-            logits, nk, nv = self.engines[prec].forward(ids, lens[:, None].copy(), mask, bk.k[:n], bk.v[:n],
-                                                       np.zeros(n, np.int64))
-            for b in range(n):
-                pos = int(lens[b])
-                bk.k[b, :, :, pos] = nk[b, :, :, 0]
-                bk.v[b, :, :, pos] = nv[b, :, :, 0]
-            bk.lens[:n] += 1
-            self.kv_pool.append([s.kv_id for s in seqs], nk[:, :, :, 0], nv[:, :, :, 0])
+            n = len(seqs)
+            # the engine writes each row's new K/V into the batch (in place for GQA); blocks were reserved above
+            logits = self.batches[prec].step(np.fromiter((s.tokens[-1] for s in seqs), np.int64, n))
             done = []
             for b, s in enumerate(seqs):
                 tok = sample(logits[b], s.params, len(s.tokens))

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from ..model.checkpoint import load_checkpoint
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 INT8_BLOCK = 32
 
 
@@ -93,11 +93,28 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
     log(f"[3/{steps}] quantizing decode engine to INT8 weights (blockwise, block {INT8_BLOCK})  +{time.time() - t0:.1f}s")
     int8 = out / "llm_int8.onnx"
     quantize_int8(fp32, int8)
+    # the decode engines: the fused graph (GroupQueryAttention, in-place KV; engines/onnx_fused.py)
+    from .onnx_fused import build_fused_graph
+
+    log(f"[3/{steps}] exporting + quantizing the fused (GQA) decode graph  +{time.time() - t0:.1f}s")
+    gqa32, gqa8 = out / "llm_gqa_fp32.onnx", out / "llm_gqa_int8.onnx"
+    for stale in (gqa32, out / "llm_gqa_fp32.onnx.data"):
+        stale.unlink(missing_ok=True)
+    onnx.save_model(build_fused_graph(ckpt), str(gqa32), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="llm_gqa_fp32.onnx.data", size_threshold=1024)
+    quantize_int8(gqa32, gqa8)
+    int8_info = {"precision": "int8", "weights": f"int8-symmetric-block{INT8_BLOCK}",
+                 "compute": "int8 (accuracy_level 4)"}
     engines = {
-        "prefill_fp32": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32"},
-        "decode_fp32": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32"},
-        "decode_int8": {"file": int8.name, "backend": "onnxruntime", "precision": "int8",
-                        "weights": f"int8-symmetric-block{INT8_BLOCK}", "compute": "int8 (accuracy_level 4)"},
+        "prefill_fp32": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32",
+                         "attention": "standard"},
+        "decode_fp32": {"file": gqa32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32",
+                        "attention": "gqa"},
+        "decode_int8": {"file": gqa8.name, "backend": "onnxruntime", "attention": "gqa", **int8_info},
+        # the standard-op decode graphs (what TensorRT builds from; A/B baseline for the fused graph)
+        "decode_fp32_standard": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32",
+                                 "weights": "fp32", "attention": "standard"},
+        "decode_int8_standard": {"file": int8.name, "backend": "onnxruntime", "attention": "standard", **int8_info},
     }
     if use_trt:  # pragma: no cover - needs a GPU
         from .trt_builder import build_trt_engines

@@ -1,4 +1,13 @@
-"""Engine runtime: one forward-with-past call on ONNX Runtime (CPU) or TensorRT (GPU)."""
+"""Engine runtime: ONNX Runtime (CPU) or TensorRT (GPU) engines and the decode batch that owns running KV.
+
+Two attention back ends (the manifest's "attention" per engine, see builder.py):
+  standard  onnx_graph.py: additive mask, past KV in, the new tokens' KV out (the host appends it).
+            `Engine.forward` / `Engine.prefill`; TensorRT engines are always this.
+  gqa       onnx_fused.py: GroupQueryAttention reads and writes a per-layer KV buffer in place.
+            `Engine.prefill` (batch 1) and `Engine.new_batch().step()` (the decode server's hot path);
+            `Engine.forward` too, for masks of the causal_mask form with unpadded new tokens (tools).
+`Engine.new_batch()` gives the scheduler one interface over both (StandardBatch / GqaBatch, decode_batch.py).
+"""
 from __future__ import annotations
 
 import os
@@ -56,6 +65,7 @@ class Engine:
         self.compat_hash = man["compat_hash"]
         self.name = name
         self.precision = self.info["precision"]
+        self.attention = self.info.get("attention", "standard")
         backend = self.info["backend"]
         if backend == "onnxruntime":
             import onnxruntime as ort
@@ -64,6 +74,10 @@ class Engine:
             so.intra_op_num_threads = int(threads or os.environ.get("HETSERVE_THREADS", 0) or 0)
             so.inter_op_num_threads = 1
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            prof = os.environ.get("HETSERVE_ORT_PROFILE")  # per-op timings (JSON trace) for loadtest/README
+            if prof:
+                so.enable_profiling = True
+                so.profile_file_prefix = f"{prof}_{name}"
             providers = ["CPUExecutionProvider"]
             self._sess = ort.InferenceSession(str(self.dir / self.info["file"]), so, providers=providers,
                                               disabled_optimizers=list(DISABLED_OPTIMIZERS))
@@ -89,8 +103,19 @@ class Engine:
         c = self.config
         return np.zeros((batch, c.num_layers, c.num_kv_heads, 0, c.head_dim), dtype=np.float32)
 
+    def new_batch(self, rows: int = 16):
+        """The running-batch KV store for this engine's attention back end (see decode_batch.py)."""
+        from .decode_batch import GqaBatch, StandardBatch
+
+        return (GqaBatch if self.attention == "gqa" else StandardBatch)(self, rows)
+
+    def end_profiling(self) -> Optional[str]:
+        return self._sess.end_profiling() if hasattr(self, "_sess") else None
+
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
                 past_key: np.ndarray, past_value: np.ndarray, last_index: np.ndarray):
+        if self.attention == "gqa":
+            return self._forward_gqa(input_ids, position_ids, attention_mask, past_key, past_value, last_index)
         feeds = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
@@ -105,6 +130,8 @@ class Engine:
                 past_v: Optional[np.ndarray] = None):
         """Single sequence; optional cached prefix KV ([L,KVH,P,D]). Returns logits[V], k/v [L,KVH,T,D]."""
         T = len(ids)
+        if self.attention == "gqa":
+            return self._prefill_gqa(ids, past_k, past_v)
         if past_k is None:
             pk = pv = self.empty_past(1)
         else:
@@ -113,3 +140,59 @@ class Engine:
         lo, k, v = self.forward(np.asarray([ids]), np.arange(P, P + T)[None], causal_mask([P], [T], P, T),
                                 pk, pv, np.array([T - 1]))
         return lo[0], k[0], v[0]
+
+    def _prefill_gqa(self, ids, past_k, past_v):
+        """Batch 1 through GroupQueryAttention with separate past/present (the kernel concatenates once)."""
+        P = 0 if past_k is None else int(past_k.shape[2])
+        pk = None if past_k is None else past_k[None]
+        pv = None if past_v is None else past_v[None]
+        lo, k, v = self._run_gqa(np.asarray([ids], np.int64), np.array([P]), pk, pv, np.array([len(ids) - 1]))
+        return lo[0], k[0], v[0]
+
+    def _run_gqa(self, ids, past_lens, past_k, past_v, last_index):
+        """ids [B,T] after right-padded past KV [B,L,KVH,P,D] (row b valid up to past_lens[b]); returns logits
+        and the new tokens' k, v [B,L,KVH,T,D] (read out of the present buffers at each row's offset)."""
+        from .onnx_fused import past_names
+
+        c = self.config
+        B, T = ids.shape
+        L = c.num_layers
+        lens = np.asarray(past_lens, np.int64)
+        feeds = {"input_ids": ids, "seqlens_k": (lens + T - 1).astype(np.int32),
+                 "total_sequence_length": np.array(int(lens.max()) + T, np.int32),
+                 "last_index": np.asarray(last_index, np.int64)}
+        pk, pv = past_names(L)
+        empty = np.zeros((B, c.num_kv_heads, 0, c.head_dim), np.float32)
+        for li in range(L):
+            feeds[pk[li]] = empty if past_k is None else np.ascontiguousarray(past_k[:, li], np.float32)
+            feeds[pv[li]] = empty if past_v is None else np.ascontiguousarray(past_v[:, li], np.float32)
+        out = self._sess.run(None, feeds)
+        if B == 1 or not lens.any():
+            k = np.stack([o[:, :, lens[0]:lens[0] + T] for o in out[1:1 + L]], axis=1)
+            v = np.stack([o[:, :, lens[0]:lens[0] + T] for o in out[1 + L:]], axis=1)
+        else:
+            cols = lens[:, None] + np.arange(T)[None, :]  # [B,T]
+            rows = np.arange(B)[:, None]
+            k = np.stack([o.transpose(0, 2, 1, 3)[rows, cols].transpose(0, 2, 1, 3) for o in out[1:1 + L]], 1)
+            v = np.stack([o.transpose(0, 2, 1, 3)[rows, cols].transpose(0, 2, 1, 3) for o in out[1 + L:]], 1)
+        return out[0], np.ascontiguousarray(k), np.ascontiguousarray(v)
+
+    def _forward_gqa(self, input_ids, position_ids, attention_mask, past_key, past_value, last_index):
+        """`forward` semantics on the fused graph, for masks that causal_mask(past_lens, [T]*B, P, T) makes
+        (right-padded past, no padded new tokens) and matching positions; anything else is refused."""
+        ids = np.ascontiguousarray(input_ids, np.int64)
+        B, T = ids.shape
+        P = int(past_key.shape[3])
+        m = np.asarray(attention_mask)
+        lens = (m[:, 0, 0, :P] == 0).sum(axis=1) if P else np.zeros(B, np.int64)
+        if (m.shape != (B, 1, T, P + T) or not np.array_equal(m, causal_mask(lens, [T] * B, P, T))
+                or not np.array_equal(np.asarray(position_ids), lens[:, None] + np.arange(T)[None, :])):
+            raise EngineError(f"engine {self.name!r} (gqa attention) takes only causal masks over a right-padded "
+                              "past with unpadded new tokens; use a standard-attention engine (prefill_fp32)")
+        if not P:
+            return self._run_gqa(ids, lens, None, None, last_index)
+        if T > 1 and B > 1:  # the GQA kernel takes T > 1 after a past only at batch 1
+            rows = [self._run_gqa(ids[b:b + 1], lens[b:b + 1], past_key[b:b + 1], past_value[b:b + 1],
+                                  np.asarray(last_index)[b:b + 1]) for b in range(B)]
+            return tuple(np.concatenate(x) for x in zip(*rows))
+        return self._run_gqa(ids, lens, past_key, past_value, last_index)

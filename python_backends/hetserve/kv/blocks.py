@@ -13,6 +13,12 @@ Tiers, top to bottom, each with a capacity in blocks:
 When a tier is full, making room demotes its least recently used unpinned blocks one tier down (cascading);
 `activate` promotes a sequence back to the device tier and pins it. Every move copies the bytes verbatim, so
 round trips through any tier are bit-exact. All public methods are thread-safe.
+
+Engine-held sequences (`attach` / `detach`): the decode batch (engines/decode_batch.py) keeps a running
+sequence's KV where the engine reads and writes it in place, so the pool must not hold a second copy. An
+attached sequence's blocks stay on the device tier's books (they count against its capacity, pinned) but give
+their arena slots back (slot ENGINE); the pool only accounts for them. `detach` takes slots again and writes
+the engine's KV into them (preemption), after which the sequence moves through the tiers like any other.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 import numpy as np
 
 TIER_NAMES = ("device", "host", "disk", "redis")
+ENGINE = -1  # slot of a block whose KV lives in the engine's batch buffer (attached sequence)
 
 
 class PoolFull(RuntimeError):
@@ -81,8 +88,8 @@ class _SlotTier(Tier):
         self._free = list(range(self.capacity - 1, -1, -1))
 
     def alloc(self, n):
-        if n > len(self._free):
-            raise PoolFull(f"{self.name} tier: {n} blocks wanted, {len(self._free)} free")
+        if n > self.free:  # not len(_free): engine-held blocks are counted as used without a slot
+            raise PoolFull(f"{self.name} tier: {n} blocks wanted, {self.free} free")
         out = [self._free.pop() for _ in range(n)]
         self.used += n
         return out
@@ -90,6 +97,17 @@ class _SlotTier(Tier):
     def release(self, slots):
         self._free.extend(slots)
         self.used -= len(slots)
+
+    def unback(self, slots):
+        """The blocks in `slots` stay counted as used but give their slots back (their KV is engine-held)."""
+        self._free.extend(slots)
+
+    def back(self, n) -> List[int]:
+        """Slots for n blocks already counted as used (used - slots in use >= n always holds)."""
+        return [self._free.pop() for _ in range(n)]
+
+    def release_unbacked(self, n):
+        self.used -= n
 
 
 class ArenaTier(_SlotTier):
@@ -252,6 +270,7 @@ class _Seq:
     blocks: List[int] = field(default_factory=list)
     n_tokens: int = 0
     active: bool = False
+    attached: bool = False  # KV held by the engine batch (n_tokens is as of attach)
     touched: float = field(default_factory=time.monotonic)
 
 
@@ -390,7 +409,8 @@ class BlockPool:
         """Occupancy for metrics: tier_blocks / tier_capacity per tier name, plus totals and move counters."""
         with self._lock:
             pinned = sum(1 for b in self._blocks.values() if b.pins)
-            return {"block_tokens": self.bt, "block_bytes": self.block_bytes,
+            engine = sum(1 for b in self._blocks.values() if b.slot == ENGINE)
+            return {"block_tokens": self.bt, "block_bytes": self.block_bytes, "engine_blocks": engine,
                     "tier_blocks": {t.name: t.used for t in self.tiers},
                     "tier_capacity": {t.name: t.capacity for t in self.tiers},
                     "used_blocks": len(self._blocks), "pinned_blocks": pinned,
@@ -440,6 +460,8 @@ class BlockPool:
         (so appends never write into a shared block)."""
         with self._lock:
             s = self._seq(src)
+            if s.attached:
+                raise ValueError(f"sequence {src!r} is attached: its KV lives in the engine batch")
             n = s.n_tokens if n_tokens is None else int(n_tokens)
             if not 0 <= n <= s.n_tokens:
                 raise ValueError(f"fork of {n} tokens from a {s.n_tokens}-token sequence")
@@ -486,6 +508,8 @@ class BlockPool:
         """The sequence's KV as contiguous k, v [L, KVH, n_tokens, D], read from whichever tiers hold it."""
         with self._lock:
             seq = self._seq(seq_id)
+            if seq.attached:
+                raise ValueError(f"sequence {seq_id!r} is attached: its KV lives in the engine batch")
             data = np.empty((len(seq.blocks), *self.block_shape), self.dtype)
             by_tier: Dict[int, List[Tuple[int, int]]] = collections.defaultdict(list)
             for i, bid in enumerate(seq.blocks):
@@ -531,10 +555,47 @@ class BlockPool:
                 self._grow(seq, n_tokens, own)
             self._touch(seq)
 
+    def attach(self, seq_id) -> Tuple[np.ndarray, np.ndarray]:
+        """Hand an active sequence's KV to the engine: returns it (k, v [L, KVH, T, D]) and frees the arena
+        slots of its exclusively owned blocks, which stay counted (and pinned) on the device tier. Blocks
+        `reserve` adds while attached get no slot either. Undo with `detach`."""
+        with self._lock:
+            seq = self._seq(seq_id)
+            if not seq.active or seq.attached:
+                raise ValueError(f"sequence {seq_id!r}: attach needs an active, detached sequence")
+            k, v = self.read(seq_id)
+            own = [self._blocks[bid] for bid in seq.blocks if self._blocks[bid].ref == 1]
+            assert all(b.tier == 0 for b in own), "attach of a sequence not on the device tier"
+            self.tiers[0].unback([b.slot for b in own])
+            for b in own:
+                b.slot = ENGINE
+            seq.attached = True
+            return k, v
+
+    def detach(self, seq_id, k: np.ndarray, v: np.ndarray) -> None:
+        """Take the KV back from the engine (k, v [L, KVH, T, D], T <= the reserved tokens): its engine-held
+        blocks get device slots again and are written verbatim; the sequence stays active."""
+        with self._lock:
+            seq = self._seq(seq_id)
+            if not seq.attached:
+                raise ValueError(f"sequence {seq_id!r} is not attached")
+            T = int(k.shape[2])
+            if k.shape != v.shape or not seq.n_tokens <= T <= len(seq.blocks) * self.bt:
+                raise ValueError(f"sequence {seq_id!r}: detach of {T} tokens into {len(seq.blocks)} blocks")
+            idx = [i for i, bid in enumerate(seq.blocks) if self._blocks[bid].slot == ENGINE]
+            slots = self.tiers[0].back(len(idx))
+            self.tiers[0].write(slots, self._to_blocks(k, v, len(seq.blocks))[idx])
+            for i, slot in zip(idx, slots):
+                self._blocks[seq.blocks[i]].slot = slot
+            seq.n_tokens, seq.attached = T, False
+            self._touch(seq)
+
     def deactivate(self, seq_id) -> None:
         """Unpin (the sequence becomes an LRU candidate for demotion)."""
         with self._lock:
             seq = self._seq(seq_id)
+            if seq.attached:
+                raise ValueError(f"sequence {seq_id!r} is attached: detach its KV first")
             if seq.active:
                 for bid in seq.blocks:
                     self._blocks[bid].pins -= 1
@@ -567,8 +628,9 @@ class BlockPool:
             slots, offs, seqs = [], [], []
             for sid in seq_ids:
                 seq = self._seq(sid)
-                if not seq.active:
-                    raise ValueError(f"sequence {sid!r} is not active")
+                if not seq.active or seq.attached:
+                    raise ValueError(f"sequence {sid!r} is not active" if not seq.active else
+                                     f"sequence {sid!r} is attached: the engine writes its KV")
                 j, off = divmod(seq.n_tokens, self.bt)
                 if j >= len(seq.blocks):
                     raise PoolFull(f"sequence {sid!r}: no block reserved for token {seq.n_tokens}")
@@ -659,7 +721,10 @@ class BlockPool:
     def _drop_block(self, bid: int) -> None:
         b = self._blocks.pop(bid)
         self._lru[b.tier].pop(bid, None)
-        self.tiers[b.tier].release([b.slot])
+        if b.slot == ENGINE:
+            self.tiers[b.tier].release_unbacked(1)
+        else:
+            self.tiers[b.tier].release([b.slot])
 
     def _touch(self, seq: _Seq) -> None:
         seq.touched = time.monotonic()
@@ -806,7 +871,10 @@ class BlockPool:
         if extra <= 0:
             return
         self._make_room(0, extra, exclude)
-        for s in self.tiers[0].alloc(extra):
-            bid = self._new_block(0, s)
+        slots = self.tiers[0].alloc(extra)
+        if seq.attached:  # the engine holds the KV: count the blocks, keep no slot
+            self.tiers[0].unback(slots)
+        for s in slots:
+            bid = self._new_block(0, ENGINE if seq.attached else s)
             self._blocks[bid].pins = 1 if seq.active else 0
             seq.blocks.append(bid)

@@ -1,0 +1,102 @@
+"""Decode step time of the decode engines, A/B interleaved in one process (loadtest/README.md, "decode step
+breakdown"). Each round builds a batch of B rows with P-token contexts per engine, then times `steps` decode
+steps per engine back to back; medians over rounds. Pin it to one core for numbers comparable to the server:
+
+  taskset -c 1 python3 loadtest/decode_step_bench.py --engines decode_int8_standard,decode_int8 --batch 1,16
+
+Reports per engine and batch: median step ms, of which inside ONNX Runtime (sess.run) and Python around it,
+tok/s = B / step, and the ratio to the first engine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_backends"))
+
+
+def _timed_run(batch):
+    """Wrap the engine call of a batch so the time inside ONNX Runtime is counted separately."""
+    acc = {"ort": 0.0}
+    if hasattr(batch, "_sess"):  # GqaBatch: run_with_iobinding
+        sess, real = batch._sess, batch._sess.run_with_iobinding
+
+        class S:
+            def __getattr__(self, a):
+                return getattr(sess, a)
+
+            def run_with_iobinding(self, io):
+                t = time.perf_counter()
+                real(io)
+                acc["ort"] += time.perf_counter() - t
+        batch._sess = S()
+    else:  # StandardBatch: engine.forward -> engine._run
+        eng, real = batch.engine, batch.engine._run
+
+        def run(feeds):
+            t = time.perf_counter()
+            out = real(feeds)
+            acc["ort"] += time.perf_counter() - t
+            return out
+        eng._run = run
+    return acc
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-dir", default=None)
+    ap.add_argument("--engines", default="decode_int8_standard,decode_int8")
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--context", type=int, default=192, help="tokens of KV per row before the timed steps")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    from hetserve.engines.builder import default_engine_dir
+    from hetserve.engines.runtime import Engine
+
+    d = a.engine_dir or default_engine_dir()
+    names = a.engines.split(",")
+    engines = {n: Engine(d, n, threads=a.threads) for n in names}
+    c = engines[names[0]].config
+    rng = np.random.default_rng(0)
+    shape = (c.num_layers, c.num_kv_heads, a.context, c.head_dim)
+    k0 = rng.standard_normal(shape).astype(np.float32) * 0.5  # KV content does not change the step cost
+    v0 = rng.standard_normal(shape).astype(np.float32) * 0.5
+    results = {}
+    for B in [int(x) for x in a.batch.split(",")]:
+        per = {n: {"step": [], "ort": []} for n in names}
+        for r in range(a.rounds + 1):  # round 0 warms up
+            for n in (names if r % 2 else names[::-1]):
+                bt = engines[n].new_batch(B)
+                for _ in range(B):
+                    bt.add(k0, v0)
+                acc = _timed_run(bt)
+                toks = rng.integers(0, c.vocab_size, B)
+                bt.step(toks)  # binds / first-call allocations outside the timing
+                acc["ort"] = 0.0
+                t = time.perf_counter()
+                for _ in range(a.steps):
+                    toks = bt.step(toks).argmax(1)
+                dt = (time.perf_counter() - t) / a.steps
+                if r:
+                    per[n]["step"].append(dt)
+                    per[n]["ort"].append(acc["ort"] / a.steps)
+        results[B] = {n: {k: statistics.median(v) for k, v in per[n].items()} for n in names}
+    print(f"context {a.context} tokens, {a.steps} steps x {a.rounds} rounds, threads {a.threads}; medians")
+    print(f"{'batch':>5} {'engine':<24} {'step ms':>8} {'ORT ms':>8} {'Python ms':>9} {'tok/s':>7} {'vs first':>8}")
+    for B, row in results.items():
+        base = row[names[0]]["step"]
+        for n in names:
+            s, o = row[n]["step"], row[n]["ort"]
+            print(f"{B:>5} {n:<24} {s * 1e3:8.2f} {o * 1e3:8.2f} {(s - o) * 1e3:9.2f} {B / s:7.1f} {base / s:7.2f}x")
+    return results
+
+
+if __name__ == "__main__":
+    main()

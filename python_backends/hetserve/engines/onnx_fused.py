@@ -1,0 +1,127 @@
+"""The Llama forward graph on ONNX Runtime contrib ops (com.microsoft): the "gqa" attention back end.
+
+Per layer: SkipSimplifiedLayerNormalization (residual add + RMSNorm in one op), one MatMul for q/k/v, one
+GroupQueryAttention (RoPE from cos/sin caches, causal attention, and the new tokens' K/V written into the KV
+buffer), the o-projection, a second SkipSimplifiedLayerNormalization, one MatMul for gate/up, SiLU*up, the down
+projection: ~10 ops where the standard graph (onnx_graph.py) has ~40. MatMuls are quantized to MatMulNBits by
+the builder for INT8 engines. TensorRT cannot parse com.microsoft ops: GPU engines keep the standard graph.
+
+  inputs   input_ids              int64 [B, T]
+           seqlens_k              int32 [B]   past length + T - 1 per row (GQA's convention)
+           total_sequence_length  int32 []    max over rows of past length + T
+           last_index             int64 [B]   position in T whose logits are returned
+           past_key_<l>           float [B, KVH, S, D] per layer l (S = buffer capacity, rows right-padded)
+           past_value_<l>         float [B, KVH, S, D]
+  outputs  logits                 float [B, V]
+           present_key_<l>        float [B, KVH, S', D]
+           present_value_<l>      float [B, KVH, S', D]
+
+When present_key_<l> is bound (IOBinding) to the same memory as past_key_<l>, the GQA CPU kernel appends the
+new tokens' K/V at each row's own offset in place (S' = S) and attends over seqlens_k + 1 entries of the row:
+no concatenation, no copy. Bound to separate outputs, the present is past + new (S' = S + T; batch 1 prefill).
+K is stored after RoPE (HF rotate_half), the same meaning as the standard graph's KV (manifest KV_LAYOUT).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..model.checkpoint import Checkpoint
+from .onnx_graph import OPSET, _G
+
+MS = "com.microsoft"
+
+
+def past_names(num_layers: int):
+    return [f"past_key_{i}" for i in range(num_layers)], [f"past_value_{i}" for i in range(num_layers)]
+
+
+def present_names(num_layers: int):
+    return [f"present_key_{i}" for i in range(num_layers)], [f"present_value_{i}" for i in range(num_layers)]
+
+
+def rope_caches(theta: float, head_dim: int, max_pos: int):
+    """cos/sin [max_pos, D/2] computed like HF (fp32 inv_freq, fp32 position x inv_freq, fp32 cos/sin)."""
+    inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(
+        np.float32)
+    freqs = np.arange(max_pos, dtype=np.float32)[:, None] * inv[None, :]
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def build_fused_graph(ckpt: Checkpoint) -> onnx.ModelProto:
+    c = ckpt.config
+    W = ckpt.weights
+    L, H, KVH, D, C = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+    g = _G()
+    eps = float(c.rms_norm_eps)
+
+    def init(arr, name):
+        g.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float32), name))
+        return name
+
+    def fused_t(names, out):  # MatMul(x, concat(W_i)^T): one weight [in, sum(out_i)]
+        return init(np.concatenate([W[n] for n in names], axis=0).T, out)
+
+    def norm_w(wname):
+        return init(W[wname], wname.replace(".", "_"))
+
+    cos, sin = rope_caches(c.rope_theta, D, c.max_position)
+    cos_n, sin_n = init(cos, "cos_cache"), init(sin, "sin_cache")
+    emb = init(W["model.embed_tokens.weight"], "model_embed_tokens_weight")
+    h = g.op("Gather", [emb, "input_ids"], axis=0)  # [B,T,C]
+    pk, pv = past_names(L)
+    ok, ov = present_names(L)
+
+    def skip_norm(x, residual, wname):  # (normed(x + residual), x + residual)
+        outs = [g.name("sln"), "", "", g.name("resid")]
+        g.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", [x, residual, norm_w(wname)], outs,
+                                        name=g.name("n_SkipSLN"), domain=MS, epsilon=eps))
+        return outs[0], outs[3]
+
+    x = g.op("SimplifiedLayerNormalization", [h, norm_w("model.layers.0.input_layernorm.weight")],
+             axis=-1, epsilon=eps, stash_type=1)
+    for li in range(L):
+        p = f"model.layers.{li}."
+        a = p + "self_attn."
+        qkv = g.op("MatMul", [x, fused_t([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                                         f"layer{li}_qkv_t")])
+        attn = g.name("attn")
+        g.nodes.append(helper.make_node(
+            "GroupQueryAttention", [qkv, "", "", pk[li], pv[li], "seqlens_k", "total_sequence_length", cos_n, sin_n],
+            [attn, ok[li], ov[li]], name=g.name("n_GQA"), domain=MS, num_heads=H, kv_num_heads=KVH, do_rotary=1,
+            rotary_interleaved=0, scale=float(1.0 / np.sqrt(D))))
+        o = g.op("MatMul", [attn, init(W[a + "o_proj.weight"].T, f"layer{li}_o_t")])
+        x, h = skip_norm(o, h, p + "post_attention_layernorm.weight")
+        m = p + "mlp."
+        gu = g.op("MatMul", [x, fused_t([m + "gate_proj.weight", m + "up_proj.weight"], f"layer{li}_gate_up_t")])
+        gate, up = g.op("Split", [gu], n_out=2, axis=-1)
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+        down = g.op("MatMul", [act, init(W[m + "down_proj.weight"].T, f"layer{li}_down_t")])
+        nxt = f"model.layers.{li + 1}.input_layernorm.weight" if li + 1 < L else "model.norm.weight"
+        x, h = skip_norm(down, h, nxt)
+
+    i64 = lambda v: g.const(np.array(v, dtype=np.int64), "i64")  # noqa: E731
+    shape_ids = g.op("Shape", ["input_ids"])
+    T = g.op("Gather", [shape_ids, i64(1)], axis=0)
+    B = g.op("Gather", [shape_ids, i64(0)], axis=0)
+    flat = g.op("Reshape", [x, i64([-1, C])])
+    rows = g.op("Add", [g.op("Mul", [g.op("Range", [i64(0), B, i64(1)]), T]), "last_index"])
+    last = g.op("Gather", [flat, rows], axis=0)  # [B,C]
+    lm = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    init(W[lm].T, "lm_head_t")
+    g.nodes.append(helper.make_node("MatMul", [last, "lm_head_t"], ["logits"], name="n_lm_head"))
+
+    F = TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+              helper.make_tensor_value_info("last_index", TensorProto.INT64, ["B"])]
+    inputs += [helper.make_tensor_value_info(n, F, ["B", KVH, "S", D]) for n in pk + pv]
+    outputs = [helper.make_tensor_value_info("logits", F, ["B", c.vocab_size])]
+    outputs += [helper.make_tensor_value_info(n, F, ["B", KVH, "S_out", D]) for n in ok + ov]
+    graph = helper.make_graph(g.nodes, "hetserve_llama_gqa", inputs, outputs, initializer=g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
+                              producer_name="hetserve")
+    model.ir_version = 8
+    return model
