@@ -1,10 +1,18 @@
 """Locust load test for the hetserve client-facing ``llm`` model.
 
-Two users stream generations from the prefill server (or the nginx ``lb``):
+Three users stream generations from the prefill server (or the nginx ``lb``):
 
 * ``TritonGrpcStreamUser`` -- tritonclient.grpc bidirectional stream
   (``start_stream`` + ``async_stream_infer(enable_empty_final_response=True)``).
 * ``TritonHttpStreamUser`` -- ``POST /v2/models/llm/generate_stream`` (SSE).
+* ``OpenAIChatStreamUser`` -- ``POST /v1/chat/completions`` with ``stream: true``
+  on the OpenAI-compatible frontend (HETSERVE_OPENAI_URL, default
+  http://127.0.0.1:8080/v1); token count from ``usage`` in the last chunk.
+
+The Triton users send ``stream=true`` (``llm`` answers in one response otherwise).
+Every user backs off on an overload refusal (HTTP 503, or an UNAVAILABLE
+"circuit breaker open / overloaded ... retry after N s" message): its next
+request waits the Retry-After / hinted time instead of retrying at once.
 
 For every generation both fire Locust request events:
 
@@ -63,6 +71,11 @@ except Exception:  # noqa: BLE001 - the HTTP user still works without it
     grpcclient = None
 
 import requests
+
+try:  # the one definition of the overload vocabulary and hint format
+    from hetserve import retry as _retry
+except Exception:  # noqa: BLE001 - a load box without hetserve installed: HTTP 503s still back off
+    _retry = None
 
 
 # --------------------------------------------------------------------------- config
@@ -125,6 +138,22 @@ SEED = _env_int("HETSERVE_SEED", 1234)
 LATENCY_CSV = os.environ.get("HETSERVE_LATENCY_CSV", "").strip()
 THINK_MIN_S = _env_float("HETSERVE_THINK_MIN", 0.1)
 THINK_MAX_S = _env_float("HETSERVE_THINK_MAX", 0.5)
+OPENAI_URL = os.environ.get("HETSERVE_OPENAI_URL", f"http://{DEFAULT_HOST}:8080/v1").rstrip("/")
+OPENAI_MODEL = os.environ.get("HETSERVE_OPENAI_MODEL", "smollm2-135m-instruct")
+MAX_BACKOFF_S = _env_float("HETSERVE_MAX_BACKOFF", 30.0)
+
+
+def backoff_s(message: str | None, status: int | None = None, retry_after: str | None = None) -> float:
+    """Seconds to wait before the next request after this failure (0 = not an overload refusal)."""
+    if retry_after:
+        try:
+            return min(MAX_BACKOFF_S, max(0.0, float(retry_after)))
+        except ValueError:
+            pass
+    msg = message or ""
+    if _retry is not None and _retry.is_overload(msg):
+        return min(MAX_BACKOFF_S, _retry.after_s(msg) or _retry.DEFAULT_S)
+    return 1.0 if status == 503 else 0.0
 
 
 def _is_loopback(host: str) -> bool:
@@ -346,13 +375,21 @@ def report(user: User, protocol: str, prompt: Prompt, gen: Generation) -> None:
 # --------------------------------------------------------------------------- users
 class _LLMUser(User):
     abstract = True
-    wait_time = between(THINK_MIN_S, THINK_MAX_S) if THINK_MAX_S > 0 else constant(0)
+    think = between(THINK_MIN_S, THINK_MAX_S) if THINK_MAX_S > 0 else constant(0)
+    backoff = 0.0  # set by an overload refusal, spent by the next wait
 
     _ids = itertools.count()
 
     def on_start(self) -> None:
         # Reproducible per-user prompt/seed streams.
         self.rng = random.Random(SEED * 1_000_003 + next(_LLMUser._ids))
+
+    def wait_time(self) -> float:
+        wait, self.backoff = max(self.backoff, type(self).think(self)), 0.0
+        return wait
+
+    def note_failure(self, gen: "Generation", status: int | None = None, retry_after: str | None = None) -> None:
+        self.backoff = max(self.backoff, backoff_s(gen.error, status, retry_after))
 
 
 class TritonGrpcStreamUser(_LLMUser):
@@ -397,6 +434,7 @@ class TritonGrpcStreamUser(_LLMUser):
             tensor("temperature", "FP32", TEMPERATURE, np.float32),
             tensor("seed", "UINT64", self.rng.getrandbits(63), np.uint64),
             tensor("ignore_eos", "BOOL", IGNORE_EOS, np.bool_),
+            tensor("stream", "BOOL", True, np.bool_),
         ]
         if TOP_K > 0:
             inputs.append(tensor("top_k", "INT32", TOP_K, np.int32))
@@ -451,6 +489,8 @@ class TritonGrpcStreamUser(_LLMUser):
                 self.client.stop_stream(cancel_requests=gen.error is not None)
             except Exception:  # noqa: BLE001
                 pass
+        if gen.error:
+            self.note_failure(gen)
         report(self, "grpc", prompt, gen)
 
 
@@ -481,18 +521,21 @@ class TritonHttpStreamUser(_LLMUser):
             "temperature": TEMPERATURE,
             "seed": self.rng.getrandbits(63),
             "ignore_eos": IGNORE_EOS,
+            "stream": True,
         }
         if TOP_K > 0:
             payload["top_k"] = TOP_K
         if TOP_P > 0:
             payload["top_p"] = TOP_P
         gen = Generation(start_time=time.time(), t0=time.perf_counter())
+        status = None
         try:
             with self.session.post(
                 self.url, json=payload, stream=True,
                 headers={"Accept": "text/event-stream"},
                 timeout=(5.0, REQUEST_TIMEOUT_S),
             ) as resp:
+                status = resp.status_code
                 if resp.status_code != 200:
                     gen.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 else:
@@ -519,7 +562,81 @@ class TritonHttpStreamUser(_LLMUser):
             gen.error = f"{type(e).__name__}: {e}"
         finally:
             gen.end = time.perf_counter()
+        if gen.error:
+            self.note_failure(gen, status)
         report(self, "http", prompt, gen)
+
+
+class OpenAIChatStreamUser(_LLMUser):
+    """Streams ``POST /v1/chat/completions`` (SSE) from the OpenAI-compatible frontend."""
+
+    host = OPENAI_URL
+    weight = 1
+
+    def on_start(self) -> None:
+        super().on_start()
+        base = (self.host or OPENAI_URL).rstrip("/")
+        host, _ = _split_host(base, 8080)
+        _check_target(host)
+        self.url = (base if base.endswith("/v1") else base + "/v1") + "/chat/completions"
+        self.session = requests.Session()
+
+    def on_stop(self) -> None:
+        session = getattr(self, "session", None)
+        if session is not None:
+            session.close()
+
+    @task
+    def generate(self) -> None:
+        prompt = next_prompt(self.rng)
+        payload = {
+            "model": OPENAI_MODEL,
+            "messages": [{"role": "user", "content": prompt.text}],
+            "max_tokens": prompt.max_tokens,
+            "temperature": TEMPERATURE,
+            "seed": self.rng.getrandbits(63),
+            "ignore_eos": IGNORE_EOS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if TOP_P > 0:
+            payload["top_p"] = TOP_P
+        gen = Generation(start_time=time.time(), t0=time.perf_counter())
+        status = retry_after = None
+        usage = None
+        try:
+            with self.session.post(self.url, json=payload, stream=True, timeout=(5.0, REQUEST_TIMEOUT_S)) as resp:
+                status, retry_after = resp.status_code, resp.headers.get("Retry-After")
+                if resp.status_code != 200:
+                    gen.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                else:
+                    for line in resp.iter_lines(decode_unicode=False):
+                        if time.perf_counter() - gen.t0 > REQUEST_TIMEOUT_S:
+                            gen.error = f"timeout after {REQUEST_TIMEOUT_S:.0f}s"
+                            break
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            break
+                        event = json.loads(data)
+                        if "error" in event:
+                            gen.error = f"server: {event['error'].get('message', event['error'])}"
+                            break
+                        usage = event.get("usage") or usage
+                        for choice in event.get("choices") or []:
+                            text = (choice.get("delta") or {}).get("content")
+                            if text:  # the frontend sends one chunk per decode step
+                                gen.on_tokens(1, text)
+        except Exception as e:  # noqa: BLE001
+            gen.error = f"{type(e).__name__}: {e}"
+        finally:
+            gen.end = time.perf_counter()
+        if usage and not gen.error:
+            gen.n_tokens = int(usage.get("completion_tokens", gen.n_tokens))
+        if gen.error:
+            self.note_failure(gen, status, retry_after)
+        report(self, "openai", prompt, gen)
 
 
 # --------------------------------------------------------------------------- shape

@@ -612,7 +612,7 @@ def _probe(scenario: str) -> dict:
 def test_locustfile_scenarios(scenario):
     info = _probe(scenario)
     assert info["scenario"] == scenario
-    assert info["users"] == ["TritonGrpcStreamUser", "TritonHttpStreamUser"]
+    assert info["users"] == ["OpenAIChatStreamUser", "TritonGrpcStreamUser", "TritonHttpStreamUser"]
     assert 0 < info["duration"] <= 600
     assert info["remote_refused"] and info["loopback_ok"]
     assert {"ttft_s", "tpot_s", "e2e_s", "n_tokens", "ok"} <= set(info["latency_fields"])
@@ -642,6 +642,7 @@ def test_locust_lists_users():
     proc = _run([sys.executable, "-m", "locust", "-f", str(LOADTEST / "locustfile.py"), "--list"], env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TritonGrpcStreamUser" in proc.stdout and "TritonHttpStreamUser" in proc.stdout
+    assert "OpenAIChatStreamUser" in proc.stdout
 
 
 def test_run_sh_dry_run():

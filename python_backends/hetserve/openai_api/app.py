@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
 import logging
 import os
 from dataclasses import dataclass
@@ -320,5 +321,9 @@ def serve(cfg: FrontendConfig, ready_cb=None) -> int:
     server = uvicorn.Server(config)
     if ready_cb is not None:
         ready_cb(cfg)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found: make
+    # that a no-op so a stopped frontend exits 0 like the Triton servers' launcher
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return 0
