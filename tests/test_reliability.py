@@ -244,6 +244,7 @@ def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids
                              on_token=lambda n, p=p: started.__setitem__(p, n)) for p in prompts}
         wait_for(lambda: min(started.values()) >= 8, 60, "all streams to be 8 tokens in")
         time.sleep(0.4)  # let a snapshot round land
+        snapshotted = len(list(Path(cluster.snapshot_dir).rglob("*.kvsnap")))
         victim = 0
         cluster.kill9(victim)
         results = {p: f.result(timeout=120) for p, f in futs.items()}
@@ -258,6 +259,10 @@ def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids
     print(f"\nkill -9 mid-stream: {len(prompts)} streams, {migrated:.0f} migrated, "
           f"{restores:.0f} resumed from snapshots, {recomputes:.0f} by recompute, 0 lost")
     assert migrated >= 1 and restores + recomputes >= migrated
+    # every stream had a snapshot when the server died, so every migrated one must resume from it: a broken
+    # snapshot path must not hide behind recompute
+    assert snapshotted >= len(prompts), f"only {snapshotted} snapshot files for {len(prompts)} running streams"
+    assert restores >= migrated, f"{migrated:.0f} migrated but only {restores:.0f} restored from snapshots"
     # the pool noticed; the survivor kept no state for the finished streams
     st = decode_op(cluster.decode_grpc(1))
     assert st["running"] == 0 and st["pending_kv"] == 0 and st["snapshots"]["tracked"] == 0
@@ -596,7 +601,30 @@ def test_prefill_servers_behind_real_nginx_survive_a_prefill_kill(engine_dir, pr
         served = [_metric(f"127.0.0.1:{base + 10 * j + 2}", "nv_inference_request_success", model="llm")
                   for j in range(2)]
         assert all(n >= 1 for n in served), f"least_conn did not spread the load: {served}"
-        c.prefills[1].kill9()
+        # kill -9 one prefill server under load, mid-stream: every request ends, either with the reference tokens
+        # (it lived on the other server) or with a clear UNAVAILABLE (the orchestrator of that stream lived on the
+        # dead server); none hangs, none ends silently short
+        started = {p: 0 for p in PROMPTS}
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as ex:
+            futs = {p: ex.submit(_stream, url, prompt_ids[p], max_tokens=24,
+                                 on_token=lambda n, p=p: started.__setitem__(p, n)) for p in PROMPTS}
+            wait_for(lambda: sum(1 for n in started.values() if n >= 2) >= len(PROMPTS) // 2, 60,
+                     "half the streams to start")
+            t_kill = time.time()
+            c.prefills[1].kill9()
+            outcome = {p: f.result(timeout=90) for p, f in futs.items()}
+        ended_in = time.time() - t_kill
+        done = [p for p, (toks, _, err) in outcome.items() if err is None]
+        failed = {p: err for p, (_, _, err) in outcome.items() if err is not None}
+        for p in done:
+            assert outcome[p][0] == reference_tokens[p][:24], f"{p!r}: tokens changed"
+        for p, err in failed.items():
+            assert "UNAVAILABLE" in (err.status or "") or "unavailable" in str(err).lower(), \
+                f"{p!r}: not a clear UNAVAILABLE: {err.status} {err}"
+            assert err.status != "TIMEOUT", f"{p!r}: hung until the client timeout"
+        assert ended_in < 60, f"streams took {ended_in:.0f}s to end after the kill"
+        print(f"\nprefill kill -9 under load ({len(PROMPTS)} streams): {len(done)} completed with reference tokens, "
+              f"{len(failed)} ended with UNAVAILABLE, 0 hung, all ended {ended_in:.1f}s after the kill")
         ok = 0
         for p in PROMPTS[4:10]:
             toks, _, err = _stream(url, prompt_ids[p], max_tokens=8)

@@ -180,8 +180,12 @@ def cmd_serve(args) -> int:
     if args.decode_url:
         env["HETSERVE_DECODE_URL"] = args.decode_url
     if not os.environ.get("HETSERVE_ADMIN_KEY"):
-        print("hetserve serve: HETSERVE_ADMIN_KEY is not set; the admin APIs are locked with a random key "
-              "(set the same key on prefill and decode servers for the shm transport)", file=sys.stderr)
+        from .server import admin_key, admin_key_file
+
+        admin_key()
+        print(f"hetserve serve: HETSERVE_ADMIN_KEY is not set; the admin APIs use the local key in "
+              f"{admin_key_file()} (set the same HETSERVE_ADMIN_KEY on prefill and decode servers on other hosts)",
+              file=sys.stderr)
     spec = ServerSpec(args.role, args.http_port, args.grpc_port, args.metrics_port, _engine_dir(args),
                       model_repository=args.model_repository or ServerSpec.__dataclass_fields__[
                           "model_repository"].default_factory(), env=env, host=bind_host(args.host))

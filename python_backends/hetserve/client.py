@@ -15,6 +15,19 @@ class GenerationError(RuntimeError):
         self.status = status
 
 
+# A stream the transport tore down (the server, or a proxy's upstream, died mid-request) reaches tritonclient as
+# INTERNAL "Stream removed (RST_STREAM ...)": no server answered, so it is retryable, i.e. UNAVAILABLE.
+_TRANSPORT_LOST = ("stream removed", "rst_stream", "socket closed", "connection reset", "failed to connect")
+
+
+def _status_of(e) -> str:
+    status = str(e.status() if hasattr(e, "status") else "") or ""
+    msg = (e.message() if hasattr(e, "message") else str(e)) or ""
+    if "UNAVAILABLE" not in status and any(k in msg.lower() for k in _TRANSPORT_LOST):
+        return "StatusCode.UNAVAILABLE"
+    return status
+
+
 @dataclass
 class Chunk:
     text: str
@@ -92,8 +105,7 @@ def stream(url: str, prompt: Optional[str], model: str = "llm", timeout_s: float
             except queue.Empty:
                 raise GenerationError(f"no response from {model} within {timeout_s}s", "TIMEOUT") from None
             if e is not None:
-                status = e.status() if hasattr(e, "status") else ""
-                raise GenerationError(e.message() if hasattr(e, "message") else str(e), status or "")
+                raise GenerationError(e.message() if hasattr(e, "message") else str(e), _status_of(e))
             resp = r.get_response()
             fp = resp.parameters.get("triton_final_response")
             final = bool(fp and fp.bool_param)
@@ -127,7 +139,8 @@ def generate(url: str, prompt: Optional[str], model: str = "llm", **params) -> G
     return g
 
 
-def stream_once(url: str, model: str, inputs, timeout_s: float, request_id: str = ""):
+def stream_once(url: str, model: str, inputs, timeout_s: float, request_id: str = "",
+                parameters: Optional[dict] = None):
     """One request to a decoupled model over its own gRPC stream; returns the first response (the diagnostic ops
     answer with a single final one). Raises TimeoutError after `timeout_s`, GenerationError on an error."""
     import tritonclient.grpc as grpcclient
@@ -136,7 +149,7 @@ def stream_once(url: str, model: str, inputs, timeout_s: float, request_id: str 
     c = grpcclient.InferenceServerClient(url)
     try:
         c.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=timeout_s)
-        c.async_stream_infer(model, inputs, request_id=request_id)
+        c.async_stream_infer(model, inputs, request_id=request_id, parameters=parameters)
         try:
             result, err = q.get(timeout=timeout_s)
         except queue.Empty:

@@ -43,6 +43,13 @@ DEFAULT_SIZES = (128, 512, 2048)  # KV of this many tokens per link probe
 DEFAULT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")
 
 
+def admin_parameters() -> dict:
+    """Request parameters that unlock the diagnostic ops (HETSERVE_ADMIN_KEY; see triton/common.require_admin)."""
+    from .server import admin_key
+
+    return {"hetserve_admin_key": admin_key()}
+
+
 class DoctorError(RuntimeError):
     pass
 
@@ -444,7 +451,8 @@ class Doctor:
 
     def _prefill(self, op, args=None, timeout_s=None, **params) -> dict:
         r = self._client(self.prefill_url).infer("prefill", self._inputs(op, args, params),
-                                                 client_timeout=timeout_s or self.timeout_s)
+                                                 client_timeout=timeout_s or self.timeout_s,
+                                                 parameters=admin_parameters())
         out = r.as_numpy("doctor_json")
         if out is None:
             raise DoctorError(f"prefill op={op}: response has no doctor_json (server too old for doctor?)")
@@ -463,7 +471,8 @@ class Doctor:
 
         t = timeout_s or self.timeout_s
         try:
-            r = stream_once(self.decode_url, "decode", self._inputs(op, args, params), t)
+            r = stream_once(self.decode_url, "decode", self._inputs(op, args, params), t,
+                            parameters=admin_parameters())
         except TimeoutError:
             raise DoctorError(f"decode op={op}: no response within {t:.0f}s") from None
         except Exception as e:

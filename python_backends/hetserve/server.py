@@ -58,12 +58,31 @@ def bind_host(host: Optional[str] = None) -> str:
     return h
 
 
+def admin_key_file() -> Path:
+    return Path(os.environ.get("HETSERVE_ADMIN_KEY_FILE") or REPO_ROOT / ".hetserve" / "run" / "admin-key")
+
+
 def admin_key() -> str:
-    """The deployment's admin key: HETSERVE_ADMIN_KEY, or one random key per launcher process (exported so the
-    servers it starts, and the prefill server's KV sender, share it)."""
+    """The deployment's admin key: HETSERVE_ADMIN_KEY; else the local key file (mode 0600, made once with a random
+    key), so `hetserve up` and the local tools (`hetserve doctor`) agree without a secret on the command line.
+    Exported to this process's environment, so the servers it starts (and their KV sender) share it."""
     k = os.environ.get("HETSERVE_ADMIN_KEY")
+    if k:
+        return k
+    f = admin_key_file()
+    try:
+        k = f.read_text().strip()
+    except OSError:
+        k = ""
     if not k:
-        k = os.environ["HETSERVE_ADMIN_KEY"] = secrets.token_urlsafe(24)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        k = secrets.token_urlsafe(24)
+        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(k + "\n")
+    elif f.stat().st_mode & 0o077:
+        raise ServerError(f"{f} is readable by other users (mode {oct(f.stat().st_mode & 0o777)}); chmod 600 it")
+    os.environ["HETSERVE_ADMIN_KEY"] = k
     return k
 
 

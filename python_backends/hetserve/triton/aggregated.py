@@ -8,6 +8,7 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
+from ..bounded import BoundedExecutor
 from ..engines.runtime import Engine
 from ..sampling import is_stop_token, sample
 from ..scheduler import DecodeScheduler, Sequence
@@ -34,6 +35,7 @@ class TritonPythonModel:
                                      max_batch=int(os.environ.get("HETSERVE_MAX_BATCH", "16")),
                                      max_queue=int(os.environ.get("HETSERVE_MAX_QUEUE", "64")))
         self.lock = threading.Lock()
+        self.work = BoundedExecutor(2, int(os.environ.get("HETSERVE_MAX_QUEUE", "64")), "aggregated")
         self.busy = BusyMeter()
         self.poller = Poller(lambda: {"busy_seconds": self.busy.total() + self.sched.stats["step_seconds"]},
                              "aggregated")
@@ -41,6 +43,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.poller.close()
+        self.work.shutdown()
         self.sched.close()
 
     def _handle(self, r, sender):
@@ -79,5 +82,10 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for r in requests:
-            threading.Thread(target=self._handle, args=(r, r.get_response_sender()), daemon=True).start()
+            sender = r.get_response_sender()
+            try:  # prefill + admission off Triton's thread, bounded (decoding itself runs in the scheduler)
+                self.work.submit(self._handle, r, sender)
+            except Exception as e:  # Overloaded: UNAVAILABLE with a retry hint
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error(str(e), classify(e))),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None

@@ -99,21 +99,51 @@ def check_kv_tokens(hdr, max_position: int) -> None:
         raise RequestError(f"KV header claims {hdr.num_tokens} tokens; the model context is {max_position}")
 
 
-def ingest_token() -> str:
-    """Proof that an op=ingest request to `decode` comes from our kv_ingest (which verified the KV), derived
-    from the deployment admin key both stubs inherit; anyone else's ingest is verified by decode itself."""
+def internal_token(purpose: str) -> str:
+    """Proof that a BLS request comes from one of our own models on this server (stubs inherit the deployment
+    admin key): an HMAC of the key and the hop, e.g. "kv_ingest -> decode" or "llm -> prefill"."""
     import hashlib
     import hmac
 
     from ..server import admin_key
 
-    return hmac.new(admin_key().encode(), b"hetserve kv_ingest -> decode", hashlib.sha256).hexdigest()
+    return hmac.new(admin_key().encode(), f"hetserve {purpose}".encode(), hashlib.sha256).hexdigest()
+
+
+def internal_token_ok(token: str, purpose: str) -> bool:
+    import hmac
+
+    return bool(token) and hmac.compare_digest(token, internal_token(purpose))
+
+
+INGEST_HOP = "kv_ingest -> decode"  # kv_ingest verified the KV; anyone else's ingest is verified by decode
+PREFILL_HOP = "llm -> prefill"  # the orchestrator picked decode_url from its pool; clients may not choose it
+
+
+def ingest_token() -> str:
+    return internal_token(INGEST_HOP)
 
 
 def ingest_token_ok(token: str) -> bool:
+    return internal_token_ok(token, INGEST_HOP)
+
+
+ADMIN_PARAM = "hetserve_admin_key"  # request parameter carrying HETSERVE_ADMIN_KEY for the diagnostic ops
+
+
+def require_admin(request, op: str) -> None:
+    """Diagnostic/admin ops (`hetserve doctor`) run only for callers holding the deployment admin key."""
     import hmac
 
-    return bool(token) and hmac.compare_digest(token, ingest_token())
+    from ..server import admin_key
+
+    try:
+        given = str(json.loads(request.parameters() or "{}").get(ADMIN_PARAM, ""))
+    except Exception:
+        given = ""
+    if not given or not hmac.compare_digest(given, admin_key()):
+        raise RequestError(f"op={op} is an admin op: send the deployment admin key (HETSERVE_ADMIN_KEY) as the "
+                           f"request parameter '{ADMIN_PARAM}' (hetserve doctor does)")
 
 
 def sampling_params(request, default_max_tokens: int = 64) -> SamplingParams:

@@ -24,7 +24,7 @@ from ..scheduler import DecodeScheduler, Overloaded, Sequence
 from ..sampling import is_stop_token
 from ..bounded import BoundedExecutor
 from .common import (RequestError, check_kv_tokens, check_prompt, classify, engine_dir, error, ingest_token_ok, inp,
-                     int_list, sampling_params, scalar, str_tensor)
+                     int_list, require_admin, sampling_params, scalar, str_tensor)
 from .metrics import REGISTRY, Poller, gauges
 
 log = logging.getLogger("hetserve.decode")
@@ -303,7 +303,8 @@ class TritonPythonModel:
                     except Exception:  # refused: drop any KV already pushed for it (else it waits for its TTL)
                         self.pending.take(scalar(r, "request_id", "", str) or "", 0)
                         raise
-                elif op in ("info", "verify"):  # `hetserve doctor` (doctor.py)
+                elif op in ("info", "verify"):  # `hetserve doctor` (doctor.py), admin key required
+                    require_admin(r, op)
                     self._doctor(op, r, sender)
                 elif op == "release":  # the orchestrator will not decode this request: drop its pushed KV
                     rid = scalar(r, "request_id", None, str)

@@ -34,8 +34,8 @@ from ..model.checkpoint import LlamaConfig
 from ..reliability import BreakerOpen, CircuitBreaker, DecodePool
 from ..sampling import is_stop_token
 from ..scheduler import Overloaded
-from .common import (RequestError, check_prompt, classify, engine_dir, error, inp, sampling_params,
-                     sampling_tensors, scalar, str_tensor, tokenizer)
+from .common import (PREFILL_HOP, RequestError, check_prompt, classify, engine_dir, error, inp, internal_token,
+                     sampling_params, sampling_tensors, scalar, str_tensor, tokenizer)
 from .metrics import REGISTRY
 from .streaming import TextStreamer
 
@@ -131,6 +131,7 @@ class TritonPythonModel:
     def initialize(self, args):
         man = read_manifest(engine_dir())
         self.cfg = LlamaConfig.from_dict(man["config"])
+        self.prefill_token = internal_token(PREFILL_HOP)  # lets prefill accept the decode_url we pick
         self.default_precision = os.environ.get("HETSERVE_DECODE_PRECISION", "fp32")
         self.step_timeout_s = float(os.environ.get("HETSERVE_DECODE_STEP_TIMEOUT_S", "30"))
         self.max_migrations = int(os.environ.get("HETSERVE_MAX_MIGRATIONS", "3"))
@@ -166,7 +167,7 @@ class TritonPythonModel:
 
     def _prefill(self, r, rid, prompt, params, url):
         pf_in = [pb_utils.Tensor("input_ids", np.asarray(prompt, np.int32)), str_tensor("request_id", [rid]),
-                 str_tensor("decode_url", [url])]
+                 str_tensor("decode_url", [url]), str_tensor("internal_token", [self.prefill_token])]
         for name in ("transport", "kv_dtype"):
             v = scalar(r, name, None, str)
             if v:
