@@ -14,6 +14,7 @@ useful, `model`. Names are part of the deployment contract (alerts, Grafana, tes
   hetserve_kv_tier_blocks          gauge      {tier} KV blocks resident per tier
   hetserve_kv_prefix_hits_total / hetserve_kv_prefix_lookups_total  counters of the prefill prefix cache
   hetserve_batch_size              gauge      sequences in the last decode step
+  hetserve_prefill_batch_size      histogram  prompts per prefill forward (prefill_batch.py)
   hetserve_queue_depth             gauge      sequences waiting for admission
   hetserve_breaker_state           gauge      0 closed, 1 half-open, 2 open
   hetserve_snapshot_age_seconds    gauge      age of the oldest in-flight KV snapshot
@@ -57,6 +58,8 @@ _SPECS = {
     "hetserve_kv_prefix_lookups_total": ("counter", "Prefill prefix-cache lookups", None),
     "hetserve_kv_prefix_hit_tokens_total": ("counter", "Prompt tokens served from the prefill prefix cache", None),
     "hetserve_batch_size": ("gauge", "Sequences in the last decode step", None),
+    "hetserve_prefill_batch_size": ("histogram", "Prompts per prefill forward (batched prefill)",
+                                    [1, 2, 4, 8, 16, 32, 64]),
     "hetserve_queue_depth": ("gauge", "Sequences waiting for decode admission", None),
     "hetserve_breaker_state": ("gauge", "Circuit breaker state: 0 closed, 1 half-open, 2 open", None),
     "hetserve_snapshot_age_seconds": ("gauge", "Age of the oldest in-flight KV snapshot (s)", None),

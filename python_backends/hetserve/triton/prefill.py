@@ -5,12 +5,21 @@ prefix_cache? (default true), sampling params.
 Outputs: first_token, prompt_len, kv_bytes, prefill_ms, transfer_ms, transfer_ok, transport_used, prefix_hit_tokens
 (prompt tokens whose KV came from the prefix cache, kv/prefix.py; HETSERVE_PREFIX_CACHE_MB sizes it, 0 disables).
 A failed transfer is reported (transfer_ok=false), not raised: the decode server then recomputes the prompt.
+
+Batched prefill (prefill_batch.py): execute() only validates and queues; one background thread runs the
+waiting prompts together, under a token budget and chunked (HETSERVE_PREFILL_TOKEN_BUDGET, _CHUNK_TOKENS,
+_MAX_BATCH, _PAST_BUDGET, _MAX_QUEUE), and answers each request through its response sender as soon as its
+prompt is done (Triton's Python backend allows the response sender in non-decoupled mode: exactly one
+response, with the FINAL flag, and execute() returns None). So the model stays non-decoupled with one response
+per request, and callers (llm's BLS, doctor, planner, clients) see the same contract as before. prefill_ms is
+the engine time of the forwards the prompt took part in (as before: engine time, now shared by the batch).
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,12 +29,26 @@ from ..engines.runtime import Engine
 from ..kv import wire
 from ..kv.prefix import PrefixCache
 from ..kv.transport import TRANSPORTS, KVSender
-from ..sampling import sample
-from .common import (RequestError, check_prompt, engine_dir, inp, json_bytes, respond_each, sampling_params,
-                     scalar, str_tensor)
+from ..prefill_batch import BatchConfig, PrefillBatcher
+from ..sampling import SamplingParams, sample
+from .common import (RequestError, check_prompt, classify, engine_dir, error_response, inp, json_bytes,
+                     sampling_params, scalar, str_tensor)
 from .metrics import REGISTRY, BusyMeter, Poller, declare_transfer_failures, gauges, transfer_failure_reason
 
 log = logging.getLogger("hetserve.prefill")
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class PrefillRequest:
+    """A validated prefill request waiting in the batcher (PrefillJob.handle)."""
+    sender: object  # the request's response sender
+    rid: str
+    params: SamplingParams
+    transport: str
+    kv_dtype: str
+    url: str
+    skip_transfer: bool
 
 
 class TritonPythonModel:
@@ -44,6 +67,10 @@ class TritonPythonModel:
         declare_transfer_failures(TRANSPORTS)
         for n in ("hetserve_kv_prefix_hits_total", "hetserve_kv_prefix_lookups_total"):
             REGISTRY.declare(n)
+        self.batch_cfg = BatchConfig.from_env()
+        REGISTRY.declare("hetserve_prefill_batch_size")
+        self.batcher = PrefillBatcher(self.engine, self.batch_cfg, self._finish, self._fail, prefix=self.prefix,
+                                      on_forward=self._on_forward)
         self.poller = Poller(self._sample_metrics, "prefill")
 
     def _sample_metrics(self) -> dict:
@@ -69,20 +96,13 @@ class TritonPythonModel:
                          transport=transport)
 
     def finalize(self):
+        self.batcher.close()
         self.poller.close()
         self.sender.close()
 
-    def _prefill(self, ids, use_prefix: bool):
-        """Prefill with prefix reuse: the engine runs only on the tokens after the longest cached whole-block
-        prefix, with that prefix's KV as past; the returned KV covers the whole prompt. -> logits, k, v, hit."""
-        if not use_prefix:
-            return (*self.engine.prefill(ids), 0)
-        hit, pk, pv = self.prefix.lookup(ids)
-        logits, k, v = self.engine.prefill(ids[hit:], pk, pv)
-        if hit:
-            k, v = np.concatenate([pk, k], axis=2), np.concatenate([pv, v], axis=2)
-        self.prefix.insert(ids, k, v)
-        return logits, k, v, hit
+    def _on_forward(self, plan, seconds: float):
+        self.busy.add(seconds)
+        REGISTRY.observe("hetserve_prefill_batch_size", len(plan.rows))
 
     def _doctor(self, op, r):
         """`hetserve doctor` ops (doctor.py): info | ping | ping_decode | probe_link | kv_check -> doctor_json."""
@@ -99,53 +119,76 @@ class TritonPythonModel:
             raise RequestError(str(e)) from None
         return pb_utils.InferenceResponse([str_tensor("doctor_json", [json_bytes(out)])])
 
-    def _one(self, r):
-        op = scalar(r, "op", "prefill", str)
-        if op != "prefill":
-            return self._doctor(op, r)
+    def _queue(self, r, sender) -> None:
+        """Validate a prefill request and hand it to the batcher (answered later by _finish/_fail)."""
         ids_a = inp(r, "input_ids")
         if ids_a is None or ids_a.size == 0:
             raise RequestError("empty prompt: 'input_ids' has no tokens")
         params = sampling_params(r)
         ids = check_prompt([int(x) for x in ids_a.reshape(-1)], self.cfg, params.max_tokens)
-        rid = scalar(r, "request_id", None, str) or f"req-{time.time_ns()}"
         transport = scalar(r, "transport", None, str) or self.default_transport
         if transport not in TRANSPORTS:
             raise RequestError(f"unknown transport {transport!r}; use one of {list(TRANSPORTS)}")
         kv_dtype = scalar(r, "kv_dtype", None, str) or self.default_kv_dtype
         if kv_dtype not in wire.DTYPES:
             raise RequestError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")
-        url = scalar(r, "decode_url", None, str) or self.default_url
-        skip = bool(scalar(r, "skip_transfer", False))
-        use_prefix = bool(scalar(r, "prefix_cache", True))
+        req = PrefillRequest(sender, scalar(r, "request_id", None, str) or f"req-{time.time_ns()}", params,
+                             transport, kv_dtype, scalar(r, "decode_url", None, str) or self.default_url,
+                             bool(scalar(r, "skip_transfer", False)))
+        self.batcher.submit(ids, req, use_prefix=bool(scalar(r, "prefix_cache", True)))
 
-        t0 = time.perf_counter()
-        with self.busy.timed():
-            logits, k, v, hit = self._prefill(ids, use_prefix)
-        first = sample(logits, params, 0)
+    def _finish(self, job) -> None:
+        """Batcher thread: the whole prompt has KV. Sample the first token, push the KV to decode, answer."""
+        req: PrefillRequest = job.handle
+        first = sample(job.logits, req.params, 0)
         t1 = time.perf_counter()
         info = {"transport": "none", "bytes": 0, "seconds": 0.0}
         ok = True
-        if not skip:
-            hdr, payload = wire.encode(k, v, self.engine.compat_hash, kv_dtype)
+        if not req.skip_transfer:
+            hdr, payload = wire.encode(job.k, job.v, self.engine.compat_hash, req.kv_dtype)
             try:
-                info = self.sender.send(url, transport, rid, hdr, payload)
-                self._record_transfer(transport, info)
+                info = self.sender.send(req.url, req.transport, req.rid, hdr, payload)
+                self._record_transfer(req.transport, info)
             except Exception as e:
-                log.warning("request %s: %s", rid, e)
-                self._record_transfer(transport, None, e)
+                log.warning("request %s: %s", req.rid, e)
+                self._record_transfer(req.transport, None, e)
                 ok = False
-                info = {"transport": transport, "bytes": 0, "seconds": time.perf_counter() - t1}
-        return pb_utils.InferenceResponse([
+                info = {"transport": req.transport, "bytes": 0, "seconds": time.perf_counter() - t1}
+        req.sender.send(pb_utils.InferenceResponse([
             pb_utils.Tensor("first_token", np.array([first], np.int32)),
-            pb_utils.Tensor("prompt_len", np.array([len(ids)], np.int32)),
+            pb_utils.Tensor("prompt_len", np.array([len(job.ids)], np.int32)),
             pb_utils.Tensor("kv_bytes", np.array([info["bytes"]], np.int64)),
-            pb_utils.Tensor("prefill_ms", np.array([(t1 - t0) * 1e3], np.float32)),
+            pb_utils.Tensor("prefill_ms", np.array([job.compute_s * 1e3], np.float32)),
             pb_utils.Tensor("transfer_ms", np.array([info["seconds"] * 1e3], np.float32)),
             pb_utils.Tensor("transfer_ok", np.array([ok], bool)),
-            pb_utils.Tensor("prefix_hit_tokens", np.array([hit], np.int32)),
+            pb_utils.Tensor("prefix_hit_tokens", np.array([job.hit], np.int32)),
             str_tensor("transport_used", [info["transport"]]),
-        ])
+        ]), flags=FINAL)
+
+    def _fail(self, job, exc) -> None:
+        self._answer_error(job.handle.sender, exc)
+
+    @staticmethod
+    def _answer_error(sender, exc) -> None:
+        code = classify(exc)
+        if code == pb_utils.TritonError.INTERNAL:
+            log.error("prefill request failed: %s", exc, exc_info=exc)
+        try:
+            sender.send(error_response(str(exc), code), flags=FINAL)
+        except Exception:  # the request is already answered or gone
+            log.debug("could not send the error response", exc_info=True)
 
     def execute(self, requests):
-        return respond_each(requests, self._one, log)
+        """Every request is answered through its response sender: doctor ops at once, prefill when its
+        prompt is done (by the batcher thread), bad input at once with INVALID_ARG, a full queue UNAVAILABLE."""
+        for r in requests:
+            sender = r.get_response_sender()
+            try:
+                op = scalar(r, "op", "prefill", str)
+                if op != "prefill":
+                    sender.send(self._doctor(op, r), flags=FINAL)
+                else:
+                    self._queue(r, sender)
+            except Exception as e:
+                self._answer_error(sender, e)
+        return None
