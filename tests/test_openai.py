@@ -285,3 +285,83 @@ def test_breaker_open_is_503_with_retry_after(topology, engine_dir):
         if fe is not None:
             fe.stop()
         pf.stop()
+
+
+def test_shipped_nginx_allow_list_in_front_of_real_servers(topology, frontend, tmp_path):
+    """deploy/nginx/nginx.conf itself (compose host names -> these servers, listen ports -> free ones) in front
+    of the real prefill server and frontend: client endpoints pass, admin APIs are refused at the balancer."""
+    import re
+    import shutil
+    import subprocess
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    from conftest import ROOT, stop_process
+
+    exe = shutil.which("nginx") or "/usr/sbin/nginx"
+    assert os.access(exe, os.X_OK), "nginx is installed by .ci/run (apt-get install nginx)"
+    b = topology.base_port + 300
+    conf = (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
+    conf = conf.replace("prefill:8000", topology.prefill_http).replace("prefill:8001", topology.prefill_grpc)
+    conf = conf.replace("openai:8080", f"127.0.0.1:{frontend.spec.port}")
+    for port, new in ((8000, b), (8001, b + 1), (8080, b + 80)):
+        conf = re.sub(rf"listen {port}\b", f"listen 127.0.0.1:{new}", conf)
+    conf = conf.replace("worker_processes auto;", f"worker_processes 1;\npid {tmp_path}/nginx.pid;")
+    conf = conf.replace("/dev/stdout", f"{tmp_path}/access.log").replace("/dev/stderr", f"{tmp_path}/error.log")
+    (tmp_path / "nginx.conf").write_text(conf)
+    (tmp_path / "logs").mkdir()
+    proc = subprocess.Popen([exe, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        import socket
+
+        wait_for(lambda: proc.poll() is None and socket.socket().connect_ex(("127.0.0.1", b + 80)) == 0, 15,
+                 "nginx listening")
+        h = f"http://127.0.0.1:{b}"
+
+        def req(method, path, body=None):
+            r = urllib.request.Request(h + path, data=None if body is None else json.dumps(body).encode(),
+                                       method=method)
+            try:
+                with urllib.request.urlopen(r, timeout=60) as resp:
+                    return resp.status, resp.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        # allowed: health, the client models' generate
+        assert req("GET", "/v2/health/ready")[0] == 200
+        code, out = req("POST", "/v2/models/llm/generate", {"text_input": Q, "max_tokens": 6})
+        assert code == 200 and "Paris" in json.loads(out)["text_output"], out
+        # refused at the balancer: repository control, shm registration, trace, logging, other models, metadata
+        for method, path in (("POST", "/v2/repository/models/llm/unload"), ("POST", "/v2/repository/index"),
+                             ("POST", "/v2/systemsharedmemory/region/x/register"), ("GET", "/v2/trace/setting"),
+                             ("POST", "/v2/logging"), ("POST", "/v2/models/prefill/infer"),
+                             ("GET", "/v2/models/llm/config"), ("GET", "/metrics")):
+            assert req(method, path, {} if method == "POST" else None)[0] == 403, path
+        assert req("GET", "/v2/models/llm/generate")[0] == 403  # POST only
+        # gRPC: streaming inference passes, admin methods get PERMISSION_DENIED from nginx itself
+        from hetserve.client import generate
+
+        g = generate(f"127.0.0.1:{b + 1}", Q, max_tokens=6, temperature=0.0)
+        assert "Paris" in g.text, g.text
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{b + 1}")
+        assert c.is_server_ready()
+        for call in (lambda: c.unload_model("llm"), lambda: c.get_model_repository_index(),
+                     lambda: c.register_system_shared_memory("x", "/hetserve_x", 64),
+                     lambda: c.get_trace_settings(), lambda: c.get_log_settings()):
+            with pytest.raises(InferenceServerException) as ei:
+                call()
+            assert "PERMISSION_DENIED" in str(ei.value.status()) or "not allowed" in str(ei.value), ei.value
+        assert grpcclient.InferenceServerClient(topology.prefill_grpc).is_model_ready("llm")  # still loaded
+        # the OpenAI frontend through the balancer, streamed
+        oc = openai.OpenAI(base_url=f"http://127.0.0.1:{b + 80}/v1", api_key="unused", max_retries=0, timeout=60)
+        parts = list(oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": Q}],
+                                                max_tokens=8, temperature=0, stream=True))
+        assert "Paris" in "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+        hc = httpclient.InferenceServerClient(f"127.0.0.1:{b + 80}")
+        with pytest.raises(Exception):
+            hc.get_model_repository_index()  # not an OpenAI route: 403
+    finally:
+        stop_process(proc)
