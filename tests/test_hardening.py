@@ -375,12 +375,10 @@ def test_strict_skips_turn_a_missing_dependency_red(tmp_path):
     assert r.returncode == 0 and "1 skipped" in r.stdout, r.stdout[-2000:]
 
 
-@pytest.mark.xfail(reason="Triton 2.51 gRPC frontend aborts (ASSERTION FAILED !byte_buffer->Valid()) when an "
-                          "unknown-model request shares a stream with a decoupled model's responses "
-                          "(docs/reliability.md); passes once the upstream frontend is fixed", strict=False)
 def test_triton_251_unknown_model_on_a_decoupled_stream_reproducer(engine_dir):
-    """Reproducer kept in CI: interleave `no_such_model` and `llm` requests on ONE gRPC stream of a server of its
-    own; the server must stay alive. On Triton 2.51 it dies within ~60 requests (hence xfail)."""
+    """The reproducer of the abort an earlier session saw (docs/reliability.md), kept as a guard: interleave
+    `no_such_model` and `llm` requests (streamed and not) on ONE gRPC stream of a server of its own; the server
+    must stay alive and answer. It did not reproduce on this build (600 pairs), so it is a plain test."""
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -394,19 +392,21 @@ def test_triton_251_unknown_model_on_a_decoupled_stream_reproducer(engine_dir):
         c = grpcclient.InferenceServerClient(t.prefill_grpc)
         c.start_stream(callback=lambda result, error: q.put(error))
         try:
-            for i in range(100):
+            for i in range(200):
                 c.async_stream_infer("no_such_model", build_inputs("x", max_tokens=1))
-                c.async_stream_infer("llm", build_inputs("Hi", max_tokens=2, stream=True))
+                c.async_stream_infer("llm", build_inputs("Hi", max_tokens=2, stream=bool(i % 2)))
                 if not t.servers["prefill"].alive():
                     break
-                time.sleep(0.02)
-            time.sleep(2)
+            time.sleep(3)
         finally:
             try:
                 c.stop_stream()
             except Exception:
                 pass
         assert t.servers["prefill"].alive(), f"prefill server aborted after {i + 1} request pairs"
+        from hetserve.client import generate
+
+        assert generate(t.prefill_grpc, "Hello", max_tokens=2).token_ids
 
 
 def test_client_cannot_choose_decode_url_or_run_admin_ops(topology):
