@@ -31,8 +31,8 @@ from ..kv.prefix import PrefixCache
 from ..kv.transport import TRANSPORTS, KVSender
 from ..prefill_batch import BatchConfig, PrefillBatcher
 from ..sampling import SamplingParams, sample
-from .common import (RequestError, check_prompt, classify, engine_dir, error_response, inp, json_bytes,
-                     sampling_params, scalar, str_tensor)
+from .common import (PREFILL_HOP, RequestError, check_prompt, classify, engine_dir, error_response, inp,
+                     internal_token_ok, json_bytes, require_admin, sampling_params, scalar, str_tensor)
 from .metrics import REGISTRY, BusyMeter, Poller, declare_transfer_failures, gauges, transfer_failure_reason
 
 log = logging.getLogger("hetserve.prefill")
@@ -105,9 +105,11 @@ class TritonPythonModel:
         REGISTRY.observe("hetserve_prefill_batch_size", len(plan.rows))
 
     def _doctor(self, op, r):
-        """`hetserve doctor` ops (doctor.py): info | ping | ping_decode | probe_link | kv_check -> doctor_json."""
+        """`hetserve doctor` ops (doctor.py): info | ping | ping_decode | probe_link | kv_check -> doctor_json.
+        Admin ops: they push KV to any decode_url they are given, so only holders of the admin key run them."""
         from .. import doctor
 
+        require_admin(r, op)
         ids_a = inp(r, "input_ids")
         ids = [] if ids_a is None else [int(x) for x in ids_a.reshape(-1)]
         try:
@@ -132,8 +134,12 @@ class TritonPythonModel:
         kv_dtype = scalar(r, "kv_dtype", None, str) or self.default_kv_dtype
         if kv_dtype not in wire.DTYPES:
             raise RequestError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")
+        url = scalar(r, "decode_url", None, str)
+        if url and not internal_token_ok(scalar(r, "internal_token", "", str), PREFILL_HOP):
+            raise RequestError("'decode_url' is chosen by the orchestrator from its decode pool; a client cannot "
+                               "set it (use the llm model, or hetserve doctor with the admin key)")
         req = PrefillRequest(sender, scalar(r, "request_id", None, str) or f"req-{time.time_ns()}", params,
-                             transport, kv_dtype, scalar(r, "decode_url", None, str) or self.default_url,
+                             transport, kv_dtype, url or self.default_url,
                              bool(scalar(r, "skip_transfer", False)))
         self.batcher.submit(ids, req, use_prefix=bool(scalar(r, "prefix_cache", True)))
 
