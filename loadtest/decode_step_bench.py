@@ -5,11 +5,16 @@ steps per engine back to back; medians over rounds. Pin it to one core for numbe
   taskset -c 1 python3 loadtest/decode_step_bench.py --engines decode_int8_standard,decode_int8 --batch 1,16
 
 Reports per engine and batch: median step ms, of which inside ONNX Runtime (sess.run) and Python around it,
-tok/s = B / step, and the ratio to the first engine.
+tok/s = B / step, and the ratio to the first engine. --profile-ops instead runs each engine once more with ONNX
+Runtime profiling on and prints the kernel time per op type (profiling adds a per-node cost, so its totals are
+above the unprofiled step time; use it for the shares).
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import json
+import os
 import statistics
 import sys
 import time
@@ -56,7 +61,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile-ops", action="store_true")
     a = ap.parse_args(argv)
+    if a.profile_ops:
+        return profile_ops(a)
     from hetserve.engines.builder import default_engine_dir
     from hetserve.engines.runtime import Engine
 
@@ -96,6 +104,42 @@ def main(argv=None):
             s, o = row[n]["step"], row[n]["ort"]
             print(f"{B:>5} {n:<24} {s * 1e3:8.2f} {o * 1e3:8.2f} {(s - o) * 1e3:9.2f} {B / s:7.1f} {base / s:7.2f}x")
     return results
+
+
+def profile_ops(a):
+    import tempfile
+
+    from hetserve.engines.builder import default_engine_dir
+    from hetserve.engines.runtime import Engine
+
+    d = a.engine_dir or default_engine_dir()
+    tmp = tempfile.mkdtemp(prefix="hetserve-prof-")
+    os.environ["HETSERVE_ORT_PROFILE"] = os.path.join(tmp, "p")
+    for B in [int(x) for x in a.batch.split(",")]:
+        for n in a.engines.split(","):
+            e = Engine(d, n, threads=a.threads)
+            c = e.config
+            rng = np.random.default_rng(0)
+            k0 = rng.standard_normal((c.num_layers, c.num_kv_heads, a.context, c.head_dim)).astype(np.float32)
+            bt = e.new_batch(B)
+            for _ in range(B):
+                bt.add(k0, k0)
+            toks = rng.integers(0, c.vocab_size, B)
+            for _ in range(a.steps):
+                toks = bt.step(toks).argmax(1)
+            events = json.load(open(e.end_profiling()))
+            per, count, runs = collections.Counter(), collections.Counter(), 0
+            for x in events:
+                if x.get("cat") == "Node" and x["name"].endswith("_kernel_time"):
+                    per[x["args"]["op_name"]] += x["dur"]
+                    count[x["args"]["op_name"]] += 1
+                elif x.get("cat") == "Session" and x["name"] == "model_run":
+                    runs += 1
+            tot = sum(per.values())
+            print(f"batch {B} {n}: {tot / runs / 1e3:.2f} ms kernel time per step ({sum(count.values()) // runs} "
+                  f"nodes)")
+            for op, us in per.most_common(8):
+                print(f"    {op:<34} {us / runs / 1e3:7.2f} ms {100 * us / tot:5.1f}%  x{count[op] // runs}")
 
 
 if __name__ == "__main__":
