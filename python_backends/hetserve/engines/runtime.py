@@ -78,7 +78,9 @@ class Engine:
             if prof:
                 so.enable_profiling = True
                 so.profile_file_prefix = f"{prof}_{name}"
-            providers = ["CPUExecutionProvider"]
+            from .trt_runtime import ort_providers  # CUDA EP when HETSERVE_ORT_DEVICE=cuda[:N] (onnxruntime-gpu)
+
+            providers = ort_providers()
             self._sess = ort.InferenceSession(str(self.dir / self.info["file"]), so, providers=providers,
                                               disabled_optimizers=list(DISABLED_OPTIMIZERS))
             self._run = self._run_ort
