@@ -1,27 +1,40 @@
 #!/usr/bin/env python3
-"""hetserve vs llama.cpp, side by side in one run. Not a CI test.
+"""hetserve vs llama.cpp, side by side in one run. Not a CI test (needs `pip install llama-cpp-python`).
 
 Systems: `hetserve` (our prefill + decode Triton servers), `llama.cpp` (the llama-cpp-python HTTP server,
-`python -m llama_cpp.server`, same GGUF, `--n_threads 2 --n_threads_batch 2`) and `llama.cpp-batched`
+`python -m llama_cpp.server`, the shipped GGUF, `--n_threads 2 --n_threads_batch 2`) and `llama.cpp-batched`
 (llama.cpp's own multi-sequence batching driven through the llama-cpp-python C API in a separate process:
-what `llama-server -np N` would do, minus HTTP; the upper bound for a llama.cpp server with parallel slots).
-llama-cpp-python's server has no `--n_parallel`: one lock around the model serves concurrent streams one
-after another (`--interrupt_requests False` makes them queue instead of cancelling each other).
+what `llama-server -np N` would do, minus HTTP; loadtest/llamacpp_peer.py). llama-cpp-python's server has no
+`--n_parallel`: one lock around the model serves concurrent streams one after another
+(`--interrupt_requests False` makes them queue instead of cancelling each other).
+
+Equal precision: hetserve decodes with INT8 weights (block 32), so by default llama.cpp-batched gets a Q8_0
+GGUF that this script makes itself from the shipped GGUF with llama.cpp's own quantizer
+(`llama_model_quantize`, ftype 7 = MOSTLY_Q8_0, allow_requantize), cached in the output folder
+(`--batched-gguf shipped` or a path to use another file). The HTTP server keeps the shipped GGUF.
 
 All get the same chat-templated prompts (token ids for hetserve and the batched engine, the same text for the
 HTTP server, which tokenizes it to the same ids), the same fixed output length (hetserve `ignore_eos`,
-llama.cpp `min_tokens` = `max_tokens`), greedy decoding, streaming. For each concurrency level (default
-1, 4, 16 streams) every stream sends `--requests-per-stream` requests back to back; per level we report
-aggregate output tok/s (all output tokens / wall time of the level), TTFT p50/p99 and TPOT p50. The
-systems alternate per level (`--rounds` repeats; per-round medians are reported), so background load hits
-them alike.
+llama.cpp `min_tokens` = `max_tokens`), greedy decoding, streaming.
+
+Closed loop (`--mode closed`): for each concurrency level (default 1, 4, 16 streams) every stream sends
+`--requests-per-stream` requests back to back; per level: aggregate output tok/s (all output tokens / wall
+time of the level), TTFT p50/p99, TPOT p50.
+Open loop (`--mode open`): Poisson arrivals at each rate of `--rates` (requests/s), `--open-requests` per
+rate, the same arrival times for every system in a round; TTFT counts from the scheduled arrival. Per rate:
+TTFT p50/p99, TPOT p50/p99, aggregate tok/s and **goodput** = requests/s (over the run's wall time) that met
+TTFT <= `--slo-ttft-ms` (500) and TPOT <= `--slo-tpot-ms` (100), the DistServe/aiperf convention; plus SLO
+attainment and the highest rate with >= 90% attainment.
+Systems alternate per point (`--rounds` repeats; per-round medians are reported), so background load hits
+them alike, and before each point the box-quiet gate waits (up to `--quiet-wait-s`) until other work keeps
+less than `--quiet-below` of the CPUs busy; the load seen is recorded.
 
     python loadtest/bench_vs_llamacpp.py                       # starts all servers (ports 48000.. / 48500)
     python loadtest/bench_vs_llamacpp.py --ours 127.0.0.1:8001 --llama http://127.0.0.1:8080
-    python loadtest/bench_vs_llamacpp.py --levels 16 --max-tokens 128 --rounds 3 --json out.json
+    python loadtest/bench_vs_llamacpp.py --mode open --rates 1,2,4,8 --open-requests 48 --rounds 3
 
 hetserve: prefill server and decode server pinned to one core each (the local Topology), INT8 decode, fp16 KV
-over shm, HETSERVE_MAX_BATCH=16, prefix cache on (loadtest/README.md has the config sweep).
+over shm, HETSERVE_MAX_BATCH=16, prefix cache on, batched prefill (loadtest/README.md has the config sweep).
 """
 from __future__ import annotations
 
@@ -35,12 +48,16 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python_backends"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llamacpp_peer import BatchedProc, make_q8_0  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis to a child.",
@@ -102,116 +119,6 @@ def run_llama(url: str, text: str, max_tokens: int) -> Result:
                   tpot_s=(t_last - t0 - ttft) / (n - 1) if ttft is not None and n > 1 else None)
 
 
-class LlamaBatched:
-    """llama.cpp's own multi-sequence batching, in process (what `llama-server -np N` does, minus HTTP): all N
-    prompts prefilled in one llama_decode, then one llama_decode per step for the N sequences; greedy. An upper
-    bound for a llama.cpp server with parallel slots, which llama-cpp-python's server does not have."""
-
-    def __init__(self, gguf: str, threads: int, max_seqs: int, n_ctx_per_seq: int):
-        import llama_cpp as L
-
-        self.L = L
-        L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {gguf}")
-        cp = L.llama_context_default_params()
-        cp.n_ctx = max_seqs * n_ctx_per_seq
-        cp.n_batch, cp.n_ubatch = min(cp.n_ctx, 2048), min(cp.n_ctx, 512)  # llama-server's defaults
-        cp.n_seq_max = max_seqs
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.kv_unified = True
-        self.ctx = L.llama_init_from_model(self.model, cp)
-        self.n_batch = cp.n_batch
-        self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
-        self.batch = L.llama_batch_init(self.n_batch, 0, max_seqs)
-
-    def _decode(self, items):
-        """items: (token, pos, seq, want_logits) -> batch indices of the rows with logits, in order."""
-        b, out = self.batch, []
-        for i, (t, p, s, lo) in enumerate(items):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, p, 1, int(lo)
-            b.seq_id[i][0] = s
-            if lo:
-                out.append(i)
-        b.n_tokens = len(items)
-        if self.L.llama_decode(self.ctx, b) != 0:
-            raise RuntimeError("llama_decode failed")
-        return [int(np.argmax(np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, i), (self.vocab,))))
-                for i in out]
-
-    def run(self, prompts: List[List[int]], max_tokens: int) -> List[Result]:
-        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
-        t0 = time.perf_counter()
-        items = [(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)]
-        if len(items) > self.n_batch:
-            raise ValueError(f"{len(items)} prompt tokens > n_batch {self.n_batch}")
-        toks = [[t] for t in self._decode(items)]
-        ttft = time.perf_counter() - t0
-        pos = [len(p) for p in prompts]
-        for _ in range(max_tokens - 1):
-            nxt = self._decode([(toks[s][-1], pos[s], s, True) for s in range(len(prompts))])
-            for s, t in enumerate(nxt):
-                toks[s].append(t)
-                pos[s] += 1
-        total = time.perf_counter() - t0
-        return [Result(ttft_s=ttft, total_s=total, tokens=max_tokens,
-                       tpot_s=(total - ttft) / max(1, max_tokens - 1)) for _ in prompts]
-
-
-def _batched_worker(conn, *args):
-    try:
-        lb = LlamaBatched(*args)
-        conn.send(("ready", None))
-    except Exception as e:  # report, don't hang the parent
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        try:
-            conn.send(("ok", lb.run(*msg)))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
-class BatchedProc:
-    """LlamaBatched in its own process, like a server: the benchmark's client threads (gRPC polling threads
-    included) must not steal cycles from llama.cpp's spinning worker threads."""
-
-    def __init__(self, *args):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_batched_worker, args=(child, *args), daemon=True)
-        self.proc.start()
-        self._call(None, wait_only=True)
-
-    def _call(self, msg, wait_only=False):
-        if not wait_only:
-            self.conn.send(msg)
-        if not self.conn.poll(900):
-            raise TimeoutError("llama.cpp batched worker did not answer in 900 s")
-        status, val = self.conn.recv()
-        if status == "error":
-            raise RuntimeError(f"llama.cpp batched worker: {val}")
-        return val
-
-    def run(self, prompts: List[List[int]], max_tokens: int) -> List[Result]:
-        return [Result(r) for r in self._call((prompts, max_tokens))]
-
-    def close(self):
-        try:
-            self.conn.send(None)
-        except Exception:
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
 # ---- one level ------------------------------------------------------------------------------------
 def run_level(fn: Callable[[int], Result], streams: int, per_stream: int) -> dict:
     """`streams` concurrent clients, each sending `per_stream` requests back to back (prompt i, i+streams..)."""
@@ -233,14 +140,69 @@ def run_level(fn: Callable[[int], Result], streams: int, per_stream: int) -> dic
     return summarize(results, time.perf_counter() - t0, streams)
 
 
-def run_batched_level(lb: "BatchedProc", prompts: List[List[int]], streams: int, per_stream: int,
+def run_batched_level(lb: BatchedProc, prompts: List[List[int]], streams: int, per_stream: int,
                       max_tokens: int) -> dict:
     """`streams` sequences started together, `per_stream` times (closed loop, like run_level)."""
     results: List[Result] = []
     t0 = time.perf_counter()
     for j in range(per_stream):
-        results += lb.run([prompts[(s + j * streams) % len(prompts)] for s in range(streams)], max_tokens)
+        results += [Result(r) for r in lb.run([prompts[(s + j * streams) % len(prompts)] for s in range(streams)],
+                                              max_tokens)]
     return summarize(results, time.perf_counter() - t0, streams)
+
+
+# ---- open loop ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float = 0.5
+    tpot_s: float = 0.1
+
+    def met(self, r: dict) -> bool:
+        return (not r.get("error") and r.get("ttft_s") is not None and r["ttft_s"] <= self.ttft_s
+                and (r.get("tpot_s") is None or r["tpot_s"] <= self.tpot_s))
+
+
+def poisson_schedule(rate: float, n: int, seed: int) -> List[float]:
+    """n arrival offsets (s), exponential gaps of mean 1/rate, the first at 0."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return [0.0] + list(np.cumsum(gaps[:-1]))
+
+
+def run_open_level(fn: Callable[[int], Result], arrivals: List[float], max_inflight: int = 256) -> tuple:
+    """Request k is sent at arrivals[k] (its own thread; at most max_inflight at once). TTFT and total time
+    count from the scheduled arrival, so a late send (client lag) is charged to the system, not hidden."""
+    results: List[Optional[Result]] = [None] * len(arrivals)
+
+    def one(k: int):
+        lag = time.perf_counter() - t0 - arrivals[k]
+        try:
+            r = fn(k)
+        except Exception as e:  # count, keep going
+            r = Result(ttft_s=None, total_s=0.0, tokens=0, tpot_s=None, error=str(e)[:200])
+        if r.get("ttft_s") is not None:
+            r["ttft_s"] += lag
+        r["total_s"] += lag
+        r["arrival_s"] = arrivals[k]
+        results[k] = r
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_inflight) as ex:
+        for k, t in enumerate(arrivals):
+            time.sleep(max(0.0, t - (time.perf_counter() - t0)))
+            ex.submit(one, k)
+    return results, time.perf_counter() - t0
+
+
+def summarize_open(results: List[dict], wall: float, rate: float, slo: Slo) -> dict:
+    out = summarize([Result(r) for r in results], wall, 0)
+    del out["streams"]
+    ok = [r for r in results if not r.get("error") and r.get("ttft_s") is not None]
+    tpot = np.array([r["tpot_s"] for r in ok if r.get("tpot_s") is not None]) * 1e3
+    good = sum(slo.met(r) for r in results)
+    out.update(rate=rate, good=good, goodput=round(good / wall, 3) if wall else 0.0,
+               attainment=round(good / len(results), 3) if results else 0.0,
+               tpot_p99_ms=round(float(np.percentile(tpot, 99)), 1) if tpot.size else None)
+    return out
 
 
 def summarize(results: List[Result], wall: float, streams: int) -> dict:
@@ -262,12 +224,15 @@ def merge(rounds: List[dict]) -> dict:
     if len(rounds) == 1:
         return rounds[0]
     out = dict(rounds[0])
-    for k in ("requests", "errors", "output_tokens", "wall_s"):
-        out[k] = sum(r[k] for r in rounds)
+    for k in ("requests", "errors", "output_tokens", "wall_s", "good"):
+        if k in out:
+            out[k] = sum(r[k] for r in rounds)
     out["tok_s_pooled"] = round(out["output_tokens"] / out["wall_s"], 1)
-    for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms"):
-        vals = [r[k] for r in rounds if r[k] is not None]
-        out[k] = round(float(np.median(vals)), 1) if vals else None
+    for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "goodput", "attainment"):
+        if k not in out:
+            continue
+        vals = [r[k] for r in rounds if r.get(k) is not None]
+        out[k] = round(float(np.median(vals)), 3 if k in ("goodput", "attainment") else 1) if vals else None
     out["rounds"] = rounds
     return out
 
@@ -330,12 +295,67 @@ def markdown(table: Dict[int, Dict[str, dict]], target: float) -> str:
     return "\n".join(rows + [""] + notes)
 
 
+def markdown_open(table: Dict[float, Dict[str, dict]], slo: Slo, goodput_target: float = 2.0) -> str:
+    rows = [f"| rate req/s | system | goodput req/s (TTFT <= {slo.ttft_s * 1e3:.0f} ms, TPOT <= "
+            f"{slo.tpot_s * 1e3:.0f} ms) | SLO attainment | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
+            "agg. output tok/s | requests (errors) |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    notes = []
+    for rate, by in sorted(table.items()):
+        for name, r in by.items():
+            rows.append(f"| {rate:g} | {name} | {r['goodput']:.3f} | {r['attainment']:.0%} | {r['ttft_p50_ms']} | "
+                        f"{r['ttft_p99_ms']} | {r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['tok_s']:.1f} | "
+                        f"{r['requests']} ({r['errors']}) |")
+        if "hetserve" in by and "llama.cpp-batched" in by:
+            o, l = by["hetserve"], by["llama.cpp-batched"]
+            ratio = f"{o['goodput'] / l['goodput']:.2f}x" if l["goodput"] else ("inf" if o["goodput"] else "n/a")
+            notes.append(f"- {rate:g} req/s: hetserve/llama.cpp-batched goodput = **{ratio}** "
+                         f"({o['goodput']:.3f} vs {l['goodput']:.3f} req/s)")
+    for name in sorted({n for by in table.values() for n in by}):
+        pts = [(rate, by[name]) for rate, by in sorted(table.items()) if name in by]
+        best = max(pts, key=lambda p: p[1]["goodput"])
+        ok90 = [rate for rate, r in pts if r["attainment"] >= 0.9]
+        notes.append(f"- {name}: max goodput {best[1]['goodput']:.3f} req/s (at {best[0]:g} req/s); highest rate "
+                     f"with >= 90% SLO attainment: {max(ok90):g} req/s" if ok90 else
+                     f"- {name}: max goodput {best[1]['goodput']:.3f} req/s (at {best[0]:g} req/s); no rate with "
+                     ">= 90% SLO attainment")
+    if all(n in {x for by in table.values() for x in by} for n in ("hetserve", "llama.cpp-batched")):
+        g = {n: max(by[n]["goodput"] for by in table.values() if n in by) for n in ("hetserve", "llama.cpp-batched")}
+        if g["llama.cpp-batched"]:
+            r = g["hetserve"] / g["llama.cpp-batched"]
+            notes.append(f"- max goodput hetserve/llama.cpp-batched = **{r:.2f}x** (target >= {goodput_target}x: "
+                         f"{'met' if r >= goodput_target else 'NOT met'})")
+    return "\n".join(rows + [""] + notes)
+
+
+def quiet_gate(below: float, wait_s: float) -> dict:
+    """The box-quiet gate (planner/measure.py's): wait until other work keeps < `below` of the CPUs busy."""
+    if wait_s <= 0:
+        return {}
+    from hetserve.planner.measure import wait_for_quiet
+
+    busy, waited = wait_for_quiet(below, wait_s)
+    return {"cpu_busy": None if busy is None else round(busy, 3), "waited_s": round(waited, 1),
+            "quiet": busy is not None and busy < below}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--levels", default="1,4,16", help="concurrent streams per level (default 1,4,16)")
+    ap.add_argument("--mode", choices=["closed", "open", "both"], default="both",
+                    help="closed: fixed concurrency levels; open: Poisson arrivals at --rates (goodput)")
+    ap.add_argument("--levels", default="1,4,16", help="closed loop: concurrent streams per level (default 1,4,16)")
+    ap.add_argument("--rates", default="1,2,4,8", help="open loop: request rates (req/s) to sweep")
+    ap.add_argument("--open-requests", type=int, default=32, help="open loop: requests per rate")
+    ap.add_argument("--seed", type=int, default=0, help="open loop: arrival schedule seed (per round: seed+round)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--goodput-target", type=float, default=2.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests-per-stream", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1, help="repeat each level (systems alternate)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat each point (systems alternate)")
+    ap.add_argument("--quiet-below", type=float, default=0.2,
+                    help="box-quiet gate: CPU busy fraction (others' work) to wait for before each point")
+    ap.add_argument("--quiet-wait-s", type=float, default=60.0, help="most seconds to wait per point (0: off)")
     ap.add_argument("--system-prompt", choices=["default", "long"], default="default",
                     help="default: the model's chat template system prompt; long: a shared ~100-token one")
     ap.add_argument("--systems", default="hetserve,llama.cpp,llama.cpp-batched",
@@ -353,7 +373,10 @@ def main(argv=None):
     ap.add_argument("--llama", help="base url of a running llama-cpp-python server (else one is started)")
     ap.add_argument("--llama-port", type=int, default=48500)
     ap.add_argument("--llama-threads", type=int, default=2)
-    ap.add_argument("--gguf", help="GGUF for llama.cpp (default: the one the engines were built from)")
+    ap.add_argument("--gguf", help="GGUF for the llama.cpp HTTP server (default: the one the engines were built from)")
+    ap.add_argument("--batched-gguf", default="q8_0",
+                    help="GGUF for llama.cpp-batched: q8_0 (made from --gguf with llama.cpp's quantizer; equal "
+                         "precision to our INT8 decode), shipped (= --gguf), or a path")
     ap.add_argument("--engine-dir", default=os.environ.get("HETSERVE_ENGINE_DIR", str(REPO / ".hetserve" / "engines")))
     ap.add_argument("--target", type=float, default=1.5)
     ap.add_argument("--json", default=str(REPO / ".hetserve" / "bench" / "bench_vs_llamacpp.json"))
@@ -362,7 +385,11 @@ def main(argv=None):
     from hetserve.engines.builder import load_tokenizer
     from hetserve.engines.manifest import read_manifest
 
-    levels = [int(x) for x in a.levels.split(",")]
+    levels = [int(x) for x in a.levels.split(",")] if a.mode != "open" else []
+    rates = [float(x) for x in a.rates.split(",")] if a.mode != "closed" else []
+    if any(r <= 0 for r in rates) or any(c < 1 for c in levels):
+        ap.error("--rates must be > 0 and --levels >= 1")
+    slo = Slo(a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     tok = load_tokenizer(a.engine_dir)
     system = LONG_SYSTEM if a.system_prompt == "long" else None
@@ -370,13 +397,18 @@ def main(argv=None):
                                      + [{"role": "user", "content": q}]) for q in QUESTIONS]
     ids = [tok.encode(t) for t in texts]
     gguf = a.gguf or read_manifest(a.engine_dir)["source"]
+    log_dir = Path(a.json).parent
+    bgguf = {"q8_0": None, "shipped": gguf}.get(a.batched_gguf, a.batched_gguf)
+    if "llama.cpp-batched" in systems and bgguf is None:
+        t = time.perf_counter()
+        bgguf = make_q8_0(gguf, str(log_dir))
+        print(f"llama.cpp-batched GGUF: {bgguf} (Q8_0 by llama_model_quantize, {time.perf_counter() - t:.1f}s)")
     print(f"prompts: {len(ids)} chat-templated, {min(map(len, ids))}-{max(map(len, ids))} tokens; "
-          f"max_tokens {a.max_tokens} (fixed length); levels {levels}; {a.requests_per_stream} requests/stream; "
+          f"max_tokens {a.max_tokens} (fixed length); mode {a.mode}; levels {levels}; rates {rates}; "
           f"gguf {gguf}", flush=True)
 
     topo = llama_proc = lb = None
     ours_opts = {"decode_precision": a.decode_precision, "kv_dtype": a.kv_dtype, "transport": a.transport}
-    log_dir = Path(a.json).parent
     try:
         fns: Dict[str, Callable[[int], Result]] = {}
         if "hetserve" in systems:
@@ -394,48 +426,79 @@ def main(argv=None):
                 url = topo.prefill_grpc
             fns["hetserve"] = lambda i, url=url: run_ours(url, ids[i % len(ids)], a.max_tokens, ours_opts)
         if "llama.cpp-batched" in systems:
-            lb = BatchedProc(gguf, a.llama_threads, max(levels), max(map(len, ids)) + a.max_tokens + 8)
-            fns["llama.cpp-batched"] = lambda i, lb=lb: lb.run([ids[i % len(ids)]], a.max_tokens)[0]
+            lb = BatchedProc(bgguf, a.llama_threads, max(levels + [16]), max(map(len, ids)) + a.max_tokens + 8)
+            fns["llama.cpp-batched"] = lambda i, lb=lb: Result(lb.run([ids[i % len(ids)]], a.max_tokens)[0])
         if "llama.cpp" in systems:
             lurl = a.llama
             if not lurl:
                 llama_proc = start_llama(gguf, a.llama_port, a.llama_threads, 4096, log_dir / "llama.log")
                 lurl = f"http://127.0.0.1:{a.llama_port}"
             fns["llama.cpp"] = lambda i, lurl=lurl: run_llama(lurl, texts[i % len(texts)], a.max_tokens)
-        for name, fn in fns.items():  # warm both (lazy init, first-request costs)
+        for name, fn in fns.items():  # warm all (lazy init, first-request costs)
             for i in range(2):
                 fn(i)
             print(f"{name}: warm", flush=True)
+
+        def point(label, run):
+            gate = quiet_gate(a.quiet_below, a.quiet_wait_s)
+            r = run()
+            r["box"] = dict(gate, load_after=round(os.getloadavg()[0], 2))
+            print(f"  {label:<26} {r['tok_s']:>7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']} ms p99 {r['ttft_p99_ms']} ms"
+                  f"  TPOT p50 {r['tpot_p50_ms']} ms" + (f"  goodput {r['goodput']:.3f} req/s ({r['attainment']:.0%})"
+                                                         if "goodput" in r else "")
+                  + f"  errors {r['errors']}  load {os.getloadavg()[0]:.2f}", flush=True)
+            return r
 
         table: Dict[int, Dict[str, dict]] = {}
         for c in levels:
             per: Dict[str, List[dict]] = {n: [] for n in fns}
             for rnd in range(a.rounds):
-                order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
-                for name in order:
+                for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
                     if name == "llama.cpp-batched":
-                        r = run_batched_level(lb, ids, c, a.requests_per_stream, a.max_tokens)
+                        run = lambda: run_batched_level(lb, ids, c, a.requests_per_stream, a.max_tokens)  # noqa: E731
                     else:
-                        r = run_level(fns[name], c, a.requests_per_stream)
-                    per[name].append(r)
-                    print(f"  {c:>3} streams  {name:<9} {r['tok_s']:>7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']} ms "
-                          f"p99 {r['ttft_p99_ms']} ms  TPOT p50 {r['tpot_p50_ms']} ms  errors {r['errors']}"
-                          f"  load {os.getloadavg()[0]:.2f}", flush=True)
+                        run = lambda: run_level(fns[name], c, a.requests_per_stream)  # noqa: E731
+                    per[name].append(point(f"{c} streams {name}", run))
             table[c] = {n: merge(rs) for n, rs in per.items()}
-        md = markdown(table, a.target)
-        print("\n" + md)
-        out = {"config": {"levels": levels, "max_tokens": a.max_tokens, "requests_per_stream": a.requests_per_stream,
+
+        open_table: Dict[float, Dict[str, dict]] = {}
+        for rate in rates:
+            per = {n: [] for n in fns}
+            for rnd in range(a.rounds):
+                arrivals = poisson_schedule(rate, a.open_requests, a.seed + rnd)
+                for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+                    if name == "llama.cpp-batched":
+                        def run(arrivals=arrivals):
+                            t0 = time.perf_counter()
+                            res = lb.run_open([(t, ids[k % len(ids)]) for k, t in enumerate(arrivals)],
+                                              a.max_tokens)
+                            return summarize_open(res, time.perf_counter() - t0, rate, slo)
+                    else:
+                        def run(arrivals=arrivals, fn=fns[name]):
+                            res, wall = run_open_level(fn, arrivals)
+                            return summarize_open(res, wall, rate, slo)
+                    per[name].append(point(f"{rate:g} req/s {name}", run))
+            open_table[rate] = {n: merge(rs) for n, rs in per.items()}
+
+        md = markdown(table, a.target) if table else ""
+        md_open = markdown_open(open_table, slo, a.goodput_target) if open_table else ""
+        print("\n" + md + ("\n\n" if md else "") + md_open)
+        out = {"config": {"mode": a.mode, "levels": levels, "rates": rates, "open_requests": a.open_requests,
+                          "seed": a.seed, "slo": {"ttft_ms": a.slo_ttft_ms, "tpot_ms": a.slo_tpot_ms},
+                          "max_tokens": a.max_tokens, "requests_per_stream": a.requests_per_stream,
                           "rounds": a.rounds, "system_prompt": a.system_prompt, "gguf": gguf,
+                          "quiet_gate": {"below": a.quiet_below, "wait_s": a.quiet_wait_s},
                           "hetserve": dict(ours_opts, max_batch=a.max_batch, pinning="prefill cpu0, decode cpu1",
                                            started=not a.ours, metrics=a.metrics, env=a.ours_env),
-                          "llama.cpp": {"server": "llama_cpp.server", "n_threads": a.llama_threads,
+                          "llama.cpp": {"server": "llama_cpp.server", "n_threads": a.llama_threads, "gguf": gguf,
                                         "n_parallel": "n/a (llama-cpp-python serialises requests)"},
-                          "llama.cpp-batched": {"in_process": True, "n_threads": a.llama_threads,
-                                                "n_seq_max": max(levels), "kv_unified": True},
+                          "llama.cpp-batched": {"in_process": True, "n_threads": a.llama_threads, "gguf": bgguf,
+                                                "n_seq_max": max(levels + [16]), "kv_unified": True},
                           "cpus": len(os.sched_getaffinity(0)), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
-               "results": {str(c): v for c, v in table.items()}, "markdown": md}
+               "results": {str(c): v for c, v in table.items()},
+               "open_loop": {f"{r:g}": v for r, v in open_table.items()}, "markdown": md, "markdown_open": md_open}
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=2))
+        Path(a.json).write_text(json.dumps(out, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
         print(f"\nwrote {a.json}")
     finally:
         if lb is not None:
