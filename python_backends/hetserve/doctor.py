@@ -189,7 +189,9 @@ def server_info(role: str, manifest: dict, loaded: Dict[str, str], **extra) -> d
         "source_hash": manifest.get("source_hash"), "model": c.get("name"), "kv_layout": manifest.get("kv_layout"),
         "wire_version": wire.WIRE_VERSION, "kv_wire_dtypes": sorted(wire.DTYPES), "kv_bytes_per_token": per_tok,
         "engines": {n: {"precision": e.get("precision"), "backend": e.get("backend"),
-                        "sha256": (e.get("sha256") or "")[:16]} for n, e in manifest["engines"].items()},
+                        "sha256": (e.get("sha256") or "")[:16], "quality": e.get("quality")}
+                    for n, e in manifest["engines"].items()},
+        "kv_quality": manifest.get("kv_quality"),
         "loaded": dict(loaded), "runtime": runtime_info(), "precision": precision_support(), **extra}
 
 
@@ -575,6 +577,26 @@ class Doctor:
                   + ("" if differ else f"; {len(shared)} shared engine(s) identical (sha256)"))
         return ok and not diff
 
+    def check_quality(self, infos) -> None:
+        """Build-time KLD / same-top-1 vs FP32 (engines/quality.py) of the loaded engines and the KV wire dtypes,
+        from each server's manifest; FAIL above quality.BOUNDS, WARN when a manifest has no figures."""
+        from .engines.quality import BOUNDS
+
+        for role, info in infos.items():
+            rows = {n: (info["engines"].get(n, {}).get("quality"), p) for n, p in info["loaded"].items()}
+            if role == "decode":
+                rows.update({f"kv:{dt}": (q, f"kv:{dt}") for dt, q in (info.get("kv_quality") or {}).items()})
+            for n, (q, key) in rows.items():
+                if not q:
+                    self._add("quality", f"{role}/{n}", "WARN" if n.startswith("decode_") else "SKIP",
+                              "no quality figures in the manifest (rebuild with this hetserve)")
+                    continue
+                bound = BOUNDS.get(key)
+                bad = bound is not None and q["mean_kld"] > bound
+                self._add("quality", f"{role}/{n}", "FAIL" if bad else "PASS",
+                          f"mean KLD {q['mean_kld']:.6f} (bound {bound}), same top-1 {q['same_top_pct']:.1f}% vs "
+                          f"{q.get('reference', 'fp32')}, {q['tokens']} held-out tokens", **q)
+
     def check_latency(self, up):
         rows = {}
         for name, role, fn in (("client->prefill", "prefill", lambda: self._prefill("ping")),
@@ -740,6 +762,7 @@ class Doctor:
             up = self.check_servers()
             infos = self.check_precision(up)
             self.check_versions(infos)
+            self.check_quality(infos)
             self.check_latency(up)
             if up["prefill"] and up["decode"]:
                 self.check_link()

@@ -15,26 +15,16 @@ from typing import Callable, Optional
 from ..model.checkpoint import load_checkpoint
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
-BUILDER_VERSION = 4
+BUILDER_VERSION = 5  # 5: INT8 scheme of quantize.INT8_SCHEME, QDQ INT8/FP8 graphs, quality figures
 INT8_BLOCK = 32
 
 
-def quantize_int8(src: Path, dst: Path) -> None:
-    """Weight-only INT8 (symmetric, one scale per 32 weights) MatMulNBits with int8 compute.
+def quantize_int8(src: Path, dst: Path, scheme=None) -> None:
+    """INT8 MatMulNBits decode graph (scheme and its measurements: engines/quantize.py, one place for both
+    the standard and the fused graph)."""
+    from .quantize import INT8_SCHEME, quantize_int8 as q8
 
-    Measured on SmolLM2-135M (teacher-forced greedy agreement with the fp32 reference, 320 tokens):
-    per-channel dynamic quantisation 82%, this scheme 95.6%, at ~15 ms/step on one core.
-    """
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    for stale in (dst, dst.with_name(dst.name + ".data")):
-        stale.unlink(missing_ok=True)
-    q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=8, block_size=INT8_BLOCK, is_symmetric=True,
-                             accuracy_level=4)
-    q.process()
-    onnx.save_model(q.model.model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=dst.name + ".data", size_threshold=1024)
+    q8(src, dst, scheme or INT8_SCHEME)
 
 
 def _sha256(path: Path) -> str:
@@ -73,7 +63,7 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
     use_trt = gpu_available() if tensorrt is None else tensorrt
     key = {"compat_hash": chash, "builder": BUILDER_VERSION, "tensorrt": bool(use_trt)}
     old = read_manifest(out)
-    if not force and old and old.get("build_key") == key and all(
+    if not force and old and old.get("build_key") == key and "kv_quality" in old and all(
             (out / e["file"]).exists() for e in old["engines"].values()):
         log(f"engines up to date in {out} (compat {chash}); nothing to build")
         return old
@@ -90,7 +80,9 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
     onnx.save_model(model, str(fp32), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="llm_fp32.onnx.data", size_threshold=1024)
     del model
-    log(f"[3/{steps}] quantizing decode engine to INT8 weights (blockwise, block {INT8_BLOCK})  +{time.time() - t0:.1f}s")
+    from .quantize import INT8_SCHEME
+
+    log(f"[3/{steps}] quantizing decode engine to INT8 weights ({INT8_SCHEME.describe()})  +{time.time() - t0:.1f}s")
     int8 = out / "llm_int8.onnx"
     quantize_int8(fp32, int8)
     # the decode engines: the fused graph (GroupQueryAttention, in-place KV; engines/onnx_fused.py)
@@ -103,7 +95,7 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
     onnx.save_model(build_fused_graph(ckpt), str(gqa32), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="llm_gqa_fp32.onnx.data", size_threshold=1024)
     quantize_int8(gqa32, gqa8)
-    int8_info = {"precision": "int8", "weights": f"int8-symmetric-block{INT8_BLOCK}",
+    int8_info = {"precision": "int8", "weights": INT8_SCHEME.describe(),
                  "compute": "int8 (accuracy_level 4)"}
     engines = {
         "prefill_fp32": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32",
@@ -116,6 +108,7 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
                                  "weights": "fp32", "attention": "standard"},
         "decode_int8_standard": {"file": int8.name, "backend": "onnxruntime", "attention": "standard", **int8_info},
     }
+    engines.update(_build_qdq(ckpt, fp32, out, log, t0))
     if use_trt:  # pragma: no cover - needs a GPU
         from .trt_builder import build_trt_engines
 
@@ -147,8 +140,46 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
         "build_seconds": round(time.time() - t0, 1),
     }
     write_manifest(out, manifest)
+    _add_quality(out, manifest, log, t0)
     log(f"done in {time.time() - t0:.1f}s -> {out} (compat {chash})")
     return manifest
+
+
+def _build_qdq(ckpt, fp32: Path, out: Path, log, t0) -> dict:
+    """QDQ INT8 / FP8 decode graphs of the standard-op graph (what TensorRT builds; ONNX Runtime runs them)."""
+    from ..tokenizer import Tokenizer
+    from .quality_texts import TUNE_TEXTS
+    from .quantize import calibrate_matmul_inputs, quantize_qdq
+
+    log(f"  QDQ INT8 (weight-only, per channel) + FP8 E4M3 (calibrated on held-in texts)  +{time.time() - t0:.1f}s")
+    amax = calibrate_matmul_inputs(fp32, Tokenizer(ckpt.tokenizer_spec, ckpt.chat_template), TUNE_TEXTS)
+    res = {}
+    for kind, weights in (("int8", "int8-symmetric-per-channel, weight-only (W8A32/A16)"),
+                          ("fp8", "fp8-e4m3-per-channel, activations fp8-e4m3 per tensor (W8A8)")):
+        f = out / f"llm_{kind}_qdq.onnx"
+        quantize_qdq(fp32, f, kind, amax)
+        res[f"decode_{kind}_qdq"] = {"file": f.name, "backend": "onnxruntime", "precision": f"{kind}_qdq",
+                                     "weights": weights, "attention": "standard", "format": "qdq"}
+    return res
+
+
+def _add_quality(out: Path, manifest: dict, log, t0) -> None:
+    """Teacher-forced KLD / same-top-1 vs the FP32 engine (held-out texts) per engine and KV wire dtype."""
+    from .quality import REFERENCE, engine_quality
+
+    log(f"  quality gate (engines/quality.py, held-out texts)  +{time.time() - t0:.1f}s")
+    eng = manifest["engines"]
+    ref_file = eng[REFERENCE]["file"]
+    same = [n for n, e in eng.items() if e["file"] == ref_file]  # the reference graph itself: KLD 0 by definition
+    todo = [n for n, e in eng.items() if n.startswith("decode_") and n not in same]  # TensorRT ones too (GPU)
+    q = engine_quality(str(out), [REFERENCE] + todo, kv_dtypes=("fp16", "int8", "fp8"), log=log)
+    for n in same:
+        eng[n]["quality"] = dict(q[REFERENCE], reference=REFERENCE)
+    for n in todo:
+        eng[n]["quality"] = dict(q[n], reference=REFERENCE)
+    manifest["kv_quality"] = {k.split(":", 1)[1]: dict(v, reference=REFERENCE) for k, v in q.items()
+                              if k.startswith("kv:")}
+    write_manifest(out, manifest)
 
 
 def load_tokenizer(engine_dir: str):
