@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hetserve.kv import wire
-from hetserve.server import ServerError, admin_headers, port_in_use, sweep_stale_shm
+from hetserve.server import ServerError, admin_headers, port_in_use, proc_stats, sweep_stale_shm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -271,28 +271,14 @@ def test_stale_shm_sweep_removes_only_unused_regions():
 
 
 def _procs_in_group(pgid: int) -> list:
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(f[2]) == pgid and f[0] != "Z":
-                out.append(int(pid))
-    return out
+    return [pid for pid, state, _, g, _ in proc_stats() if g == pgid and state != "Z"]
 
 
 def _children_sessions(root_pid: int) -> set:
     """Session ids of every descendant of root_pid (the servers run in sessions of their own)."""
     kids = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            kids.setdefault(int(f[1]), []).append((int(pid), int(f[3])))
+    for pid, _, ppid, _, sid in proc_stats():
+        kids.setdefault(ppid, []).append((pid, sid))
     out, todo = set(), [root_pid]
     while todo:
         for pid, sid in kids.get(todo.pop(), []):

@@ -359,10 +359,7 @@ class TritonProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return Path(self.spec.log_file).read_bytes()[-n:].decode(errors="replace") if self.spec.log_file else ""
-        except OSError:
-            return ""
+        return log_tail(self.spec.log_file, n)
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left of it (python backend stubs can outlive
@@ -393,6 +390,14 @@ class TritonProcess:
             self.proc.wait(5)
 
 
+def log_tail(path: Optional[str], n: int = 4000) -> str:
+    """The last n bytes of a server's log file ('' when there is none)."""
+    try:
+        return Path(path).read_bytes()[-n:].decode(errors="replace") if path else ""
+    except OSError:
+        return ""
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -421,7 +426,8 @@ def _kill_group(pgid: int, timeout_s: float = 5.0) -> None:
             return
 
 
-def _only_zombies(pgid: int) -> bool:
+def proc_stats():
+    """(pid, state, ppid, pgid, sid) of every live process, from /proc/<pid>/stat."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -429,6 +435,8 @@ def _only_zombies(pgid: int) -> bool:
             f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(f[2]) == pgid and f[0] != "Z":
-            return False
-    return True
+        yield int(pid), f[0], int(f[1]), int(f[2]), int(f[3])
+
+
+def _only_zombies(pgid: int) -> bool:
+    return all(state == "Z" for _, state, _, g, _ in proc_stats() if g == pgid)

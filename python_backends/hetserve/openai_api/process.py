@@ -77,10 +77,9 @@ class FrontendProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return Path(self.spec.log_file).read_bytes()[-n:].decode(errors="replace") if self.spec.log_file else ""
-        except OSError:
-            return ""
+        from ..server import log_tail
+
+        return log_tail(self.spec.log_file, n)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
