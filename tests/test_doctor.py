@@ -157,7 +157,8 @@ def test_doctor_ops_bad_input(topology):
         with pytest.raises(InferenceServerException, match="unknown op 'nope'"):
             d._prefill("nope")
         with pytest.raises(InferenceServerException, match="doctor_args is not valid JSON"):
-            d._client(d.prefill_url).infer("prefill", build_inputs(None, op="info", doctor_args="{oops"))
+            d._client(d.prefill_url).infer("prefill", build_inputs(None, op="info", doctor_args="{oops"),
+                                           parameters=doctor.admin_parameters())
         with pytest.raises(InferenceServerException, match="probe sizes"):
             d._prefill("probe_link", {"tokens": [0]})
         with pytest.raises(InferenceServerException, match="unknown transport"):

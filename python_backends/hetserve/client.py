@@ -9,6 +9,14 @@ from typing import Iterator, List, Optional
 import numpy as np
 
 
+def admin_parameters() -> dict:
+    """Request parameters that unlock the operator ops (doctor, planner --measure): the deployment admin key
+    (HETSERVE_ADMIN_KEY or the local key file; checked by triton/common.is_admin)."""
+    from .server import ADMIN_PARAM, admin_key
+
+    return {ADMIN_PARAM: admin_key()}
+
+
 class GenerationError(RuntimeError):
     def __init__(self, msg: str, status: str = ""):
         super().__init__(msg)
@@ -21,9 +29,15 @@ _TRANSPORT_LOST = ("stream removed", "rst_stream", "socket closed", "connection 
 
 
 def _status_of(e) -> str:
-    status = str(e.status() if hasattr(e, "status") else "") or ""
+    """The error's status; on a gRPC stream Triton sends only the message (status() is None there), so an
+    overload refusal (it carries a retry hint, see retry.py) and a torn-down transport both read as UNAVAILABLE."""
+    from . import retry
+
+    raw = e.status() if hasattr(e, "status") else None
+    status = str(raw) if raw else ""
     msg = (e.message() if hasattr(e, "message") else str(e)) or ""
-    if "UNAVAILABLE" not in status and any(k in msg.lower() for k in _TRANSPORT_LOST):
+    if "UNAVAILABLE" not in status and (any(k in msg.lower() for k in _TRANSPORT_LOST)
+                                        or (not status and retry.is_overload(msg))):
         return "StatusCode.UNAVAILABLE"
     return status
 

@@ -6,7 +6,7 @@ Sections (each check prints PASS, WARN, FAIL or SKIP; the exit code is 1 when an
   versions   compat hash, manifest, wire format and engine agreement between prefill and decode
   latency    ping-pong p50/p99: client -> prefill, client -> decode, prefill -> decode (measured on prefill)
   link       KV-sized synthetic transfers pushed by the prefill server through each transport into decode's
-             kv_ingest (header + crc32 verified there, then discarded): MB/s and GB/s; and the refusal of a
+             kv_ingest (header + HMAC tag verified there, then discarded): MB/s and GB/s; and the refusal of a
              transfer with a wrong compat hash and of one with a corrupted payload
   kv         correctness set: prompt KV -> wire (fp32/fp16/int8) -> each transport -> decode, which decodes it
              and returns a digest (fp32 must be bit-exact) and its next-token logits from the received KV vs a
@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .client import admin_parameters
 from .kv import wire
 
 PROBE_PREFIX = "hetserve-probe/"  # kv_ingest verifies and discards transfers whose request id starts with this
@@ -41,13 +42,6 @@ TRT_MIN_SM = {"fp32": 0, "fp16": 53, "int8": 61, "bf16": 80, "fp8": 89}  # Tenso
 THRESHOLDS = {"fp32": 1e-4, "fp16": 1e-2, "int8": 1.5}
 DEFAULT_SIZES = (128, 512, 2048)  # KV of this many tokens per link probe
 DEFAULT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")
-
-
-def admin_parameters() -> dict:
-    """Request parameters that unlock the diagnostic ops (HETSERVE_ADMIN_KEY; see triton/common.require_admin)."""
-    from .server import admin_key
-
-    return {"hetserve_admin_key": admin_key()}
 
 
 class DoctorError(RuntimeError):
@@ -234,7 +228,7 @@ def probe_link(sender, url: str, transports: Sequence[str], compat_hash: str, cf
     for T in tokens:
         hdr, payload = wire.encode(*synthetic_kv(cfg, int(T)), compat_hash, kv_dtype)
         if corrupt:
-            payload[len(payload) // 2] ^= 0xFF  # header checksum no longer matches
+            payload[len(payload) // 2] ^= 0xFF  # the header's tag no longer matches
         for tr in transports:
             if tr in failed:
                 continue
@@ -284,7 +278,7 @@ def kv_check(engine, sender, url: str, transport: str, kv_dtype: str, ids: List[
     hdr, payload = wire.encode(k, v, compat_hash, kv_dtype)
     out = {"request_id": f"{CHECK_PREFIX}{uuid.uuid4().hex[:12]}", "input_ids": [int(i) for i in ids],
            "kv_tokens": len(ids) - 1, "kv_dtype": kv_dtype, "transport": transport, "bytes": int(payload.nbytes),
-           "crc32": hdr.checksum, "digest_source": kv_digest(k, v), "digest_wire": kv_digest(*wire.decode(hdr, payload))}
+           "mac": hdr.mac[:16], "digest_source": kv_digest(k, v), "digest_wire": kv_digest(*wire.decode(hdr, payload))}
     try:
         info = sender.send(url, transport, out["request_id"], hdr, payload, timeout_s)
         out.update(seconds=info["seconds"], transport_used=info["transport"])
@@ -812,7 +806,7 @@ def format_text(rep: Report) -> str:
         if sec == "link" and "link" in s:
             L = s["link"]
             out.append(f"  synthetic {L['kv_dtype']} KV, median of {L['repeats']} (prefill -> decode kv_ingest, "
-                       "crc32 verified, discarded)")
+                       "HMAC verified, discarded)")
             out += _table(["transport", "tokens", "MB", "p50 ms", "MB/s", "GB/s"],
                           [[r["transport"], r["tokens"], f"{r['bytes'] / 1e6:.2f}",
                             f"{r['p50_ms']:.1f}" if "p50_ms" in r else "-",

@@ -58,6 +58,9 @@ def bind_host(host: Optional[str] = None) -> str:
     return h
 
 
+ADMIN_PARAM = "hetserve_admin_key"  # the request parameter that carries the admin key to the operator ops
+
+
 def admin_key_file() -> Path:
     return Path(os.environ.get("HETSERVE_ADMIN_KEY_FILE") or REPO_ROOT / ".hetserve" / "run" / "admin-key")
 

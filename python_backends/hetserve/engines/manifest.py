@@ -14,7 +14,7 @@ from typing import Optional
 from ..model.checkpoint import LlamaConfig
 
 KV_LAYOUT = "L,KVH,T,D"  # per sequence: [layers, kv_heads, tokens, head_dim], K after RoPE (HF rotate_half)
-KV_WIRE_VERSION = 2  # kv/wire.py byte format (v2: per-token 8-bit scales); in the hash so old peers disagree
+KV_WIRE_VERSION = 3  # kv/wire.py format (v2: per-token 8-bit scales, v3: HMAC tag); in the hash: old peers disagree
 MANIFEST_VERSION = 1
 
 

@@ -110,7 +110,7 @@ def wire_roundtrip(dtype: str, compat_hash: str = "quality"):
     from ..kv import wire
 
     def rt(k, v):
-        hdr, payload = wire.encode(k, v, compat_hash, dtype)
+        hdr, payload = wire.encode(k, v, compat_hash, dtype, key=b"quality")  # in-process: no deployment key
         return wire.decode(hdr, payload)
     return rt
 

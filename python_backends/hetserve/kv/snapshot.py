@@ -1,7 +1,7 @@
 """KV snapshots of in-flight sequences, for resuming a request on another decode server after a failure.
 
 Every `interval_s` (HETSERVE_SNAPSHOT_INTERVAL_S, default 60 s, must be <= 300) the decode loop copies the KV of
-each running sequence and a writer thread stores it, wire-encoded (same header, model hash and crc32 as a
+each running sequence and a writer thread stores it, wire-encoded (same header, model hash and HMAC tag as a
 transfer), with the token ids it covers, in the snapshot directory (HETSERVE_SNAPSHOT_DIR: a volume every decode
 server mounts; local disk here). Writes are atomic (tmp + rename). A finished sequence's snapshot is deleted at
 once; orphans (their server died and the request was never resumed) are removed after the retention

@@ -161,6 +161,7 @@ class Prober:
         from tritonclient.utils import InferenceServerException
 
         from ..client import build_inputs
+        from ..client import admin_parameters
 
         ids, rid = self.prompt(n), uuid.uuid4().hex
         ins = build_inputs(None, input_ids=ids, request_id=rid, decode_url=self.decode_url, max_tokens=2,
@@ -170,7 +171,8 @@ class Prober:
         ins.append(skip)
         t0 = time.perf_counter()
         try:
-            r = self._client.infer("prefill", ins, client_timeout=self.cfg.timeout_s)
+            r = self._client.infer("prefill", ins, client_timeout=self.cfg.timeout_s,
+                                   parameters=admin_parameters())  # an operator tool: it may pick decode_url
         except InferenceServerException as e:
             raise MeasureError(f"prefill request ({n}-token prompt) failed: {e.message()}") from e
         rt = time.perf_counter() - t0

@@ -11,6 +11,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by the stub
 
 from ..sampling import SamplingParams
+from ..server import ADMIN_PARAM
 
 MAX_TOKENS_LIMIT = int(os.environ.get("HETSERVE_MAX_TOKENS_LIMIT", "4096"))
 
@@ -128,11 +129,8 @@ def ingest_token_ok(token: str) -> bool:
     return internal_token_ok(token, INGEST_HOP)
 
 
-ADMIN_PARAM = "hetserve_admin_key"  # request parameter carrying HETSERVE_ADMIN_KEY for the diagnostic ops
-
-
-def require_admin(request, op: str) -> None:
-    """Diagnostic/admin ops (`hetserve doctor`) run only for callers holding the deployment admin key."""
+def is_admin(request) -> bool:
+    """The request carries the deployment admin key as the request parameter ADMIN_PARAM."""
     import hmac
 
     from ..server import admin_key
@@ -141,7 +139,12 @@ def require_admin(request, op: str) -> None:
         given = str(json.loads(request.parameters() or "{}").get(ADMIN_PARAM, ""))
     except Exception:
         given = ""
-    if not given or not hmac.compare_digest(given, admin_key()):
+    return bool(given) and hmac.compare_digest(given, admin_key())
+
+
+def require_admin(request, op: str) -> None:
+    """Diagnostic/admin ops (`hetserve doctor`) run only for callers holding the deployment admin key."""
+    if not is_admin(request):
         raise RequestError(f"op={op} is an admin op: send the deployment admin key (HETSERVE_ADMIN_KEY) as the "
                            f"request parameter '{ADMIN_PARAM}' (hetserve doctor does)")
 

@@ -1,7 +1,7 @@
 """kv_ingest (decode server): verify the KV handshake + checksum, then hand the KV to `decode`'s pool.
 
 Receives what a KVSender sent over gRPC or system shared memory (Triton resolves shm inputs before we run).
-A mismatch (model hash, layout, dtype, shape, size, crc32) is refused with INVALID_ARG and the reason.
+A mismatch (model hash, layout, dtype, shape, size, HMAC tag) is refused with INVALID_ARG and the reason.
 `hetserve doctor` (doctor.py): op=ping answers at once; transfers whose request id starts with
 doctor.PROBE_PREFIX (link probes) are verified the same way and then discarded, never reaching decode.
 """

@@ -32,7 +32,7 @@ from ..kv.transport import TRANSPORTS, KVSender
 from ..prefill_batch import BatchConfig, PrefillBatcher
 from ..sampling import SamplingParams, sample
 from .common import (PREFILL_HOP, RequestError, check_prompt, classify, engine_dir, error_response, inp,
-                     internal_token_ok, json_bytes, require_admin, sampling_params, scalar, str_tensor)
+                     internal_token_ok, is_admin, json_bytes, require_admin, sampling_params, scalar, str_tensor)
 from .metrics import REGISTRY, BusyMeter, Poller, declare_transfer_failures, gauges, transfer_failure_reason
 
 log = logging.getLogger("hetserve.prefill")
@@ -135,9 +135,11 @@ class TritonPythonModel:
         if kv_dtype not in wire.DTYPES:
             raise RequestError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")
         url = scalar(r, "decode_url", None, str)
-        if url and not internal_token_ok(scalar(r, "internal_token", "", str), PREFILL_HOP):
+        # the orchestrator proves its pick with the hop token; operators' tools (planner --measure) hold the key
+        if url and not (internal_token_ok(scalar(r, "internal_token", "", str), PREFILL_HOP) or is_admin(r)):
             raise RequestError("'decode_url' is chosen by the orchestrator from its decode pool; a client cannot "
-                               "set it (use the llm model, or hetserve doctor with the admin key)")
+                               "set it (use the llm model, or send the admin key as hetserve doctor and "
+                               "hetserve plan --measure do)")
         req = PrefillRequest(sender, scalar(r, "request_id", None, str) or f"req-{time.time_ns()}", params,
                              transport, kv_dtype, url or self.default_url,
                              bool(scalar(r, "skip_transfer", False)))
