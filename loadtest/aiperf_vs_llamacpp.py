@@ -1,7 +1,8 @@
 """NVIDIA aiperf, the same command line, against hetserve's OpenAI endpoint and llama.cpp's OpenAI server.
 
-Starts both (hetserve: `hetserve up` = prefill + decode Triton servers + the OpenAI frontend; llama.cpp:
-`python -m llama_cpp.server` on the same GGUF with --n_threads 2), then runs `aiperf profile` against each,
+Starts both at equal precision (hetserve: `hetserve up` = prefill + decode Triton servers + the OpenAI frontend,
+decoding with the INT8 engine; llama.cpp: `python -m llama_cpp.server` with --n_threads 2 on a Q8_0 GGUF made from
+the shipped one by llama.cpp's own quantizer, loadtest/llamacpp_peer.make_q8_0), then runs `aiperf profile` against each,
 alternating, `--rounds` times, and prints a markdown table of per-system medians over the rounds plus the
 hetserve / llama.cpp ratio. Not part of CI (needs aiperf in its own venv, see loadtest/README.md).
 
@@ -90,6 +91,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-port", type=int, default=46900)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (hetserve: one core per server)")
     ap.add_argument("--out", default=str(ROOT / ".hetserve" / "bench" / "aiperf"))
+    ap.add_argument("--precision", choices=["int8", "fp32"], default="int8",
+                    help="int8: hetserve INT8 decode vs llama.cpp Q8_0 (equal precision); fp32: FP32 decode vs the "
+                         "shipped GGUF")
     a = ap.parse_args(argv)
 
     from hetserve.engines.builder import default_engine_dir
@@ -101,9 +105,17 @@ def main(argv=None) -> int:
     # a local tokenizer dir needs no hub (aiperf 0.13 mis-handles local paths under HF_HUB_OFFLINE=1)
     env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1"}
     logs = {n: open(out / f"{n}.log", "wb") for n in ("hetserve", "llama.cpp")}
+    gguf = str(default_checkpoint_path())
+    if a.precision == "int8":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from llamacpp_peer import make_q8_0
+
+        gguf = make_q8_0(gguf, str(out))
+    print(f"hetserve decode {a.precision}; llama.cpp GGUF {gguf}", file=sys.stderr)
     hs = subprocess.Popen([sys.executable, "-m", "hetserve", "up", "--base-port", str(a.base_port), "--prompt", ""],
+                          env={**os.environ, "HETSERVE_DECODE_PRECISION": a.precision},
                           stdout=logs["hetserve"], stderr=subprocess.STDOUT, start_new_session=True)
-    ll = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(default_checkpoint_path()),
+    ll = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf,
                            "--host", "127.0.0.1", "--port", str(a.llama_port), "--n_threads", str(a.threads),
                            "--n_threads_batch", str(a.threads), "--n_ctx", "2048", "--model_alias", MODEL,
                            "--interrupt_requests", "False"],  # default True: a new request aborts the running one
@@ -137,7 +149,7 @@ def main(argv=None) -> int:
     labels = [m[1] for m in METRICS]
     med = {n: {k: statistics.median([x[k] for x in rs if x.get(k) is not None] or [float("nan")])
                for k in labels + ["errors"]} for n, rs in results.items()}
-    print(f"\n{a.rounds} rounds, concurrency {a.concurrency}, {a.requests} requests/round, ISL {a.isl}, OSL {a.osl}"
+    print(f"\nprecision {a.precision}; {a.rounds} rounds, concurrency {a.concurrency}, {a.requests} requests/round, ISL {a.isl}, OSL {a.osl}"
           " (medians over rounds)\n")
     print("| system | " + " | ".join(labels) + " | errors |")
     print("|---" * (len(labels) + 2) + "|")

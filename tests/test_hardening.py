@@ -114,14 +114,14 @@ def _decode_stream_op(url, inputs):
     return None if err is None else str(err)
 
 
-def _kv(engine_dir, n=4, dtype="fp16", compat=None):
+def _kv(engine_dir, n=4, dtype="fp16", compat=None, key=None):
     from hetserve.engines.manifest import read_manifest
 
     man = read_manifest(engine_dir)
     c = man["config"]
     rng = np.random.default_rng(0)
     k = rng.standard_normal((c["num_layers"], c["num_kv_heads"], n, c["head_dim"])).astype(np.float32)
-    return wire.encode(k, k.copy(), compat or man["compat_hash"], dtype)
+    return wire.encode(k, k.copy(), compat or man["compat_hash"], dtype, key=key)
 
 
 def _ingest_inputs(rid, hdr, payload, token=None):
@@ -132,9 +132,38 @@ def _ingest_inputs(rid, hdr, payload, token=None):
     return ins
 
 
+def test_kv_ingest_refuses_kv_signed_without_the_deployment_key(topology, engine_dir):
+    """kv_ingest (the path every transport delivers to) refuses well-formed KV whose HMAC tag was made with
+    another key, and accepts the same KV signed with the deployment's key."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    def inputs(rid, hdr, payload):
+        ins = []
+        for name, arr, dt in (("request_id", np.array([rid.encode()], object), "BYTES"),
+                              ("kv_header", np.array([hdr.to_json()], object), "BYTES"),
+                              ("kv_payload", payload.astype(np.uint8), "UINT8")):
+            i = grpcclient.InferInput(name, list(arr.shape), dt)
+            i.set_data_from_numpy(arr)
+            ins.append(i)
+        return ins
+
+    c = grpcclient.InferenceServerClient(topology.decode_grpc)
+    try:
+        with pytest.raises(InferenceServerException, match="deployment's KV key"):
+            c.infer("kv_ingest", inputs("hard-unkeyed-ingest", *_kv(engine_dir, key=b"someone-else")))
+        r = c.infer("kv_ingest", inputs("hard-keyed-ingest", *_kv(engine_dir)))
+        assert int(r.as_numpy("kv_tokens")[0]) == 4
+    finally:
+        c.close()
+    _decode_stream_op(topology.decode_grpc, {"op": np.array([b"release"], object),
+                                             "request_id": np.array([b"hard-keyed-ingest"], object)})
+
+
 def test_direct_ingest_to_decode_is_verified(topology, engine_dir):
     """op=ingest straight to `decode` (not through kv_ingest) is verified there: a corrupted payload, a foreign
-    model hash and a forged internal token are refused; a good transfer is accepted."""
+    model hash, a forged internal token and well-formed KV signed without the deployment's key are refused; a good
+    transfer is accepted."""
     hdr, payload = _kv(engine_dir)
     bad = payload.copy()
     bad[len(bad) // 2] ^= 0xFF
@@ -145,6 +174,9 @@ def test_direct_ingest_to_decode_is_verified(topology, engine_dir):
     fh, fp = _kv(engine_dir, compat="f" * 32)
     err = _decode_stream_op(topology.decode_grpc, _ingest_inputs("hard-foreign", fh, fp))
     assert err and "hash" in err.lower(), err
+    sh, sp = _kv(engine_dir, key=b"not-this-deployment")  # a peer (or shm/Redis writer) without the KV key
+    err = _decode_stream_op(topology.decode_grpc, _ingest_inputs("hard-unkeyed", sh, sp))
+    assert err and "deployment's KV key" in err, err
     assert _decode_stream_op(topology.decode_grpc, _ingest_inputs("hard-good", hdr, payload)) is None
     _decode_stream_op(topology.decode_grpc, {"op": np.array([b"release"], object),
                                              "request_id": np.array([b"hard-good"], object)})
