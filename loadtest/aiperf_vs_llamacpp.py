@@ -1,8 +1,9 @@
 """NVIDIA aiperf, the same command line, against hetserve's OpenAI endpoint and llama.cpp's OpenAI server.
 
 Starts both at equal precision (hetserve: `hetserve up` = prefill + decode Triton servers + the OpenAI frontend,
-decoding with the INT8 engine; llama.cpp: `python -m llama_cpp.server` with --n_threads 2 on a Q8_0 GGUF made from
-the shipped one by llama.cpp's own quantizer, loadtest/llamacpp_peer.make_q8_0), then runs `aiperf profile` against each,
+decoding with the INT8 engine; llama.cpp: llama_cpp.server through `python -m hetserve.engines.llamacpp_compat`
+(no AMX repacking, which segfaults on Q8_0 here) with --n_threads 2 on a Q8_0 GGUF made from the shipped one by
+llama.cpp's own quantizer, loadtest/llamacpp_peer.make_q8_0), then runs `aiperf profile` against each,
 alternating, `--rounds` times, and prints a markdown table of per-system medians over the rounds plus the
 hetserve / llama.cpp ratio. Not part of CI (needs aiperf in its own venv, see loadtest/README.md).
 
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     hs = subprocess.Popen([sys.executable, "-m", "hetserve", "up", "--base-port", str(a.base_port), "--prompt", ""],
                           env={**os.environ, "HETSERVE_DECODE_PRECISION": a.precision},
                           stdout=logs["hetserve"], stderr=subprocess.STDOUT, start_new_session=True)
-    ll = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf,
+    ll = subprocess.Popen([sys.executable, "-m", "hetserve.engines.llamacpp_compat", "--model", gguf,
                            "--host", "127.0.0.1", "--port", str(a.llama_port), "--n_threads", str(a.threads),
                            "--n_threads_batch", str(a.threads), "--n_ctx", "2048", "--model_alias", MODEL,
                            "--interrupt_requests", "False"],  # default True: a new request aborts the running one

@@ -250,7 +250,7 @@ def wait_http(url: str, timeout: float):
 
 
 def start_llama(gguf: str, port: int, threads: int, n_ctx: int, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "hetserve.engines.llamacpp_compat", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
            "--interrupt_requests", "False"]
     log_path.parent.mkdir(parents=True, exist_ok=True)

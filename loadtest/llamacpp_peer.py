@@ -23,6 +23,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
+from hetserve.engines.llamacpp_compat import model_params
+
 Q8_0_FTYPE = 7  # LLAMA_FTYPE_MOSTLY_Q8_0
 
 
@@ -59,7 +61,7 @@ class LlamaBatched:
 
         self.L = L
         L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
+        self.model = L.llama_model_load_from_file(gguf.encode(), model_params())  # no AMX repack: llamacpp_compat
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         cp = L.llama_context_default_params()

@@ -163,8 +163,11 @@ def llamacpp_logits(gguf_path: str, ids: np.ndarray, ctx: int = CTX, threads: in
     """Teacher-forced logits [N, T-ctx, V] from llama.cpp (logits_all) on the same token ids as teacher_forced."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=ids.shape[1] + 8, n_batch=ids.shape[1], logits_all=True,
-                          n_threads=threads, verbose=False)
+    from .llamacpp_compat import no_repack
+
+    with no_repack():  # AMX repacking of Q8_0 segfaults here (llamacpp_compat)
+        llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=ids.shape[1] + 8, n_batch=ids.shape[1],
+                              logits_all=True, n_threads=threads, verbose=False)
     out = []
     for row in ids:
         llm.reset()
