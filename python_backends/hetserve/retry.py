@@ -13,9 +13,6 @@ from typing import Optional
 
 DEFAULT_S = 1.0
 _HINT = re.compile(r"retry (?:in|after) (\d+(?:\.\d+)?)\s*s\b", re.I)
-# refusals that mean "try again later", whatever hop reworded them (breaker, pool, decode admission, llm cap)
-_OVERLOAD = re.compile(r"circuit breaker|overloaded|queue full|no healthy decode|no decode server|busy|"
-                       r"retry (?:in|after)", re.I)
 
 
 def hint(msg: str, seconds: float = DEFAULT_S) -> str:
@@ -30,7 +27,12 @@ def after_s(msg: str) -> Optional[float]:
 
 
 def is_overload(msg: str) -> bool:
-    return bool(_OVERLOAD.search(msg or ""))
+    """A refusal that means "try again later": a retryable kind, or an untagged message with a retry hint (the
+    OpenAI frontend's own refusals)."""
+    from .errors import RETRYABLE, kind_of
+
+    kind = kind_of(msg)
+    return kind in RETRYABLE or (kind is None and after_s(msg) is not None)
 
 
 def header_value(msg: str) -> str:
