@@ -114,3 +114,13 @@ def test_generation_error_strips_the_tag_and_keeps_the_kind():
 
     g = GenerationError("llm at x: " + errors.tag(errors.OVERLOADED, "busy; retry after 1.0s"), "")
     assert g.kind == errors.OVERLOADED and str(g) == "llm at x: busy; retry after 1.0s"
+
+
+def test_a_relayed_peer_error_keeps_its_kind():
+    from hetserve.reliability import BreakerOpen
+
+    relayed = RuntimeError("decode refused KV: " + errors.tag(errors.OVERLOADED, "pending KV full"))
+    assert errors.kind_of_exception(relayed) == errors.OVERLOADED
+    assert errors.kind_of_exception(RuntimeError("boom")) == errors.INTERNAL
+    assert errors.kind_of_exception(BreakerOpen("open")) == errors.OVERLOADED
+    assert errors.kind_of_exception(errors.RequestError("x")) == errors.BAD_INPUT

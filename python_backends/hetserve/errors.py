@@ -62,7 +62,7 @@ def kind_of_exception(exc: BaseException) -> str:
         return UNAVAILABLE
     if isinstance(exc, ValueError):  # RequestError, SamplingError, wire errors raised as ValueError
         return BAD_INPUT
-    return INTERNAL
+    return kind_of(str(exc)) or INTERNAL  # a peer's error relayed ("decode refused KV: [...]") keeps its kind
 
 
 def exception_for(msg: str, kind: Optional[str]) -> Exception:
