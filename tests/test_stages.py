@@ -467,3 +467,14 @@ def test_call_from_tensors_reads_the_schema():
                                                                                   False, True)
     assert c.params.max_tokens == schema.INPUTS["max_tokens"].default
     assert call_from_tensors({}).op == "generate" and call_from_tensors({"op": schema.array("op", "stats")}).params is None
+
+
+def test_stages_import_no_triton_binding():
+    """The stages, schema and error kinds load without the Triton Python-backend stub (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hetserve.stages.orchestrator, hetserve.stages.decode, hetserve.stages.grpc_decode, "
+            "hetserve.schema, hetserve.errors; "
+            "assert 'triton_python_backend_utils' not in sys.modules, 'a stage imports the Triton binding'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
