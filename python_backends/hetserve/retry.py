@@ -1,9 +1,10 @@
 """The retry hint carried by overload refusals, one format for every hop.
 
 Triton's streaming gRPC responses carry only an error *message* (no status code), and a Python model cannot set
-HTTP headers, so the hint travels in the message text: "...; retry after 0.4s". The orchestrator (`llm`) appends
-it to every UNAVAILABLE refusal (breaker open, no decode server, queues full); the OpenAI frontend parses it back
-into a 503 with a `Retry-After` header; the Locust users sleep that long before their next request.
+HTTP headers, so the hint travels in the message text: "...; retry after 0.4s". The Triton adapters
+(triton/common.error) append it to every refusal of a retryable kind (breaker open, no decode server, queues
+full); the OpenAI frontend parses it back into a 503 with a `Retry-After` header; the Locust users sleep that long
+before their next request.
 """
 from __future__ import annotations
 
