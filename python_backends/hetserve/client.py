@@ -6,8 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
 
-import numpy as np
-
 
 def admin_parameters() -> dict:
     """Request parameters that unlock the operator ops (doctor, planner --measure): the deployment admin key
@@ -18,9 +16,16 @@ def admin_parameters() -> dict:
 
 
 class GenerationError(RuntimeError):
-    def __init__(self, msg: str, status: str = ""):
-        super().__init__(msg)
+    """A failed generation: the message without its kind tag, `kind` (hetserve.errors, None when the error
+    did not come from hetserve) and the gRPC status."""
+
+    def __init__(self, msg: str, status: str = "", kind: Optional[str] = None):
+        from . import errors
+
+        parsed, text = errors.parse(msg)
+        super().__init__(text)
         self.status = status
+        self.kind = kind or parsed
 
 
 # A stream the transport tore down (the server, or a proxy's upstream, died mid-request) reaches tritonclient as
@@ -30,7 +35,7 @@ _TRANSPORT_LOST = ("stream removed", "rst_stream", "socket closed", "connection 
 
 def _status_of(e) -> str:
     """The error's status; on a gRPC stream Triton sends only the message (status() is None there), so an
-    overload refusal (it carries a retry hint, see retry.py) and a torn-down transport both read as UNAVAILABLE."""
+    overload refusal (a retryable kind, see errors.py) and a torn-down transport both read as UNAVAILABLE."""
     from . import retry
 
     raw = e.status() if hasattr(e, "status") else None
@@ -67,38 +72,27 @@ class Generation:
         return (self.total_s - self.ttft_s) / (n - 1)
 
 
-_DTYPES = {"max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32),
-           "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64), "ignore_eos": ("BOOL", bool),
-           "apply_chat_template": ("BOOL", bool), "stop_token_ids": ("INT32", np.int32),
-           "input_ids": ("INT32", np.int32), "output_ids": ("INT32", np.int32), "stream": ("BOOL", bool)}
 # models with a `stream` input (default false = one final response); stream() asks them to stream
 STREAM_INPUT_MODELS = ("llm", "ensemble")
 
 
 def build_inputs(prompt: Optional[str], **params):
+    """tritonclient InferInputs for `text_input` = prompt and each named input (dtypes from hetserve.schema;
+    None values are left out)."""
     import tritonclient.grpc as grpcclient
 
-    ins = []
+    from . import schema
 
-    def add(name, arr, dt):
-        x = grpcclient.InferInput(name, list(arr.shape), dt)
+    ins = []
+    for name, value in ([("text_input", prompt)] if prompt is not None else []) + list(params.items()):
+        if value is None:
+            continue
+        if name not in schema.INPUTS:
+            raise ValueError(f"unknown input {name!r} (hetserve.schema.INPUTS lists them)")
+        arr = schema.array(name, value)
+        x = grpcclient.InferInput(name, list(arr.shape), schema.INPUTS[name].client_dtype)
         x.set_data_from_numpy(arr)
         ins.append(x)
-
-    if prompt is not None:
-        add("text_input", np.array([prompt.encode("utf-8", "surrogatepass") if isinstance(prompt, str) else prompt],
-                                   dtype=np.object_), "BYTES")
-    for k, v in params.items():
-        if v is None:
-            continue
-        if k in _DTYPES:
-            dt, npt = _DTYPES[k]
-            arr = np.asarray(v if isinstance(v, (list, tuple, np.ndarray)) else [v], dtype=npt)
-            add(k, arr, dt)
-        elif k == "stop":
-            add(k, np.array([s.encode() for s in v], dtype=np.object_), "BYTES")
-        else:  # string params: transport, kv_dtype, decode_precision
-            add(k, np.array([str(v).encode()], dtype=np.object_), "BYTES")
     return ins
 
 

@@ -1,9 +1,10 @@
 """The retry hint carried by overload refusals, one format for every hop.
 
 Triton's streaming gRPC responses carry only an error *message* (no status code), and a Python model cannot set
-HTTP headers, so the hint travels in the message text: "...; retry after 0.4s". The orchestrator (`llm`) appends
-it to every UNAVAILABLE refusal (breaker open, no decode server, queues full); the OpenAI frontend parses it back
-into a 503 with a `Retry-After` header; the Locust users sleep that long before their next request.
+HTTP headers, so the hint travels in the message text: "...; retry after 0.4s". The Triton adapters
+(triton/common.error) append it to every refusal of a retryable kind (breaker open, no decode server, queues
+full); the OpenAI frontend parses it back into a 503 with a `Retry-After` header; the Locust users sleep that long
+before their next request.
 """
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ from typing import Optional
 
 DEFAULT_S = 1.0
 _HINT = re.compile(r"retry (?:in|after) (\d+(?:\.\d+)?)\s*s\b", re.I)
-# refusals that mean "try again later", whatever hop reworded them (breaker, pool, decode admission, llm cap)
-_OVERLOAD = re.compile(r"circuit breaker|overloaded|queue full|no healthy decode|no decode server|busy|"
-                       r"retry (?:in|after)", re.I)
 
 
 def hint(msg: str, seconds: float = DEFAULT_S) -> str:
@@ -30,7 +28,12 @@ def after_s(msg: str) -> Optional[float]:
 
 
 def is_overload(msg: str) -> bool:
-    return bool(_OVERLOAD.search(msg or ""))
+    """A refusal that means "try again later": a retryable kind, or an untagged message with a retry hint (the
+    OpenAI frontend's own refusals)."""
+    from .errors import RETRYABLE, kind_of
+
+    kind = kind_of(msg)
+    return kind in RETRYABLE or (kind is None and after_s(msg) is not None)
 
 
 def header_value(msg: str) -> str:

@@ -3,10 +3,10 @@ shared channel), at most `max_concurrent` at a time.
 
 Cancelling the stream (client disconnect, or the frontend ending early) cancels the Triton request; `llm` sees
 `is_cancelled()` at the next decode step and cancels its decode stream, so the decode server frees the sequence.
-Errors come back as text only (Triton's streaming gRPC responses carry no status code), so they are classified
-here: hetserve.retry's overload vocabulary -> 503 + Retry-After, Triton's "unknown model"/"not found" -> 503 (the
-server has no `llm`: misdeployed, not the client's fault), everything else from `llm` -> 400 (it validates input
-and reports internal failures as such) unless it says "internal" or the call itself failed (-> 502).
+Errors come back as text only (Triton's streaming gRPC responses carry no status code); hetserve's carry their
+kind (hetserve.errors): overloaded/unavailable -> 503 + Retry-After, bad_input -> 400, internal -> 500. Untagged
+ones come from Triton itself: "internal" -> 500, "unknown model"/"not found" -> 503 (the server has no `llm`: misdeployed, not the
+client's fault), a failed call -> 502, anything else -> 400.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import AsyncIterator, List, Optional
 
 import grpc
 
-from .. import retry
+from .. import errors, retry
 from ..client import build_inputs
 from .schema import ApiError, GenRequest
 
@@ -32,14 +32,17 @@ class Delta:
 
 
 def classify(msg: str, call_failed: bool = False) -> ApiError:
+    kind, text = errors.parse(msg)
     if retry.is_overload(msg):
-        return ApiError(503, msg, "server_error", code="overloaded", retry_after=retry.header_value(msg))
-    if call_failed or "unknown model" in msg or "not found" in msg.lower():
-        return ApiError(502 if call_failed else 503, f"inference server: {msg}", "server_error",
+        return ApiError(503, text, "server_error", code="overloaded", retry_after=retry.header_value(text))
+    if kind == errors.INTERNAL or (kind is None and "internal" in text.lower()):  # ours, or Triton's own
+        return ApiError(500, text, "server_error", code="internal_error")
+    if kind == errors.BAD_INPUT:
+        return ApiError(400, text)
+    if call_failed or "unknown model" in text or "not found" in text.lower():
+        return ApiError(502 if call_failed else 503, f"inference server: {text}", "server_error",
                         code="upstream_error", retry_after=None if call_failed else "1")
-    if "internal" in msg.lower():
-        return ApiError(500, msg, "server_error", code="internal_error")
-    return ApiError(400, msg)
+    return ApiError(400, text)
 
 
 class Overload:

@@ -10,14 +10,28 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils  # provided by the stub
 
+from .. import errors, retry, schema
+from ..errors import RequestError  # noqa: F401  (re-exported: the adapters raise it)
 from ..sampling import SamplingParams
+from ..schema import MAX_TOKENS_LIMIT, check_kv_tokens, check_prompt  # noqa: F401  (re-exported)
 from ..server import ADMIN_PARAM
 
-MAX_TOKENS_LIMIT = int(os.environ.get("HETSERVE_MAX_TOKENS_LIMIT", "4096"))
+
+class RequestTensors:
+    """A request's inputs as the mapping hetserve.schema reads (name -> numpy array, None when absent)."""
+
+    def __init__(self, request):
+        self.request = request
+
+    def get(self, name: str, default=None):
+        t = pb_utils.get_input_tensor_by_name(self.request, name)
+        return default if t is None else t.as_numpy()
 
 
-class RequestError(ValueError):
-    """Bad input: answered with INVALID_ARG and a clear message."""
+def tensors_of(request, model: str) -> dict:
+    """Every input of `model` (hetserve.schema.MODELS) the request carries, as numpy arrays."""
+    t = RequestTensors(request)
+    return {n: a for n, a in ((n, t.get(n)) for n in schema.MODELS[model][0]) if a is not None}
 
 
 def engine_dir() -> str:
@@ -35,69 +49,19 @@ def tokenizer():
 
 
 def inp(request, name: str) -> Optional[np.ndarray]:
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    return None if t is None else t.as_numpy()
+    return RequestTensors(request).get(name)
 
 
 def scalar(request, name: str, default: Any = None, cast=None):
-    a = inp(request, name)
-    if a is None:
-        return default
-    if a.size != 1:
-        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(a.shape)}")
-    v = a.reshape(-1)[0]
-    if isinstance(v, (bytes, np.bytes_)):
-        try:
-            v = bytes(v).decode("utf-8")
-        except UnicodeDecodeError:
-            raise RequestError(f"input '{name}' is not valid UTF-8") from None
-    elif isinstance(v, np.generic):
-        v = v.item()
-    if cast is not None:
-        try:
-            v = cast(v)
-        except (TypeError, ValueError):
-            raise RequestError(f"input '{name}' has an invalid value {v!r}") from None
-    return v
+    return schema.scalar(RequestTensors(request), name, default, cast)
 
 
 def string_list(request, name: str) -> List[str]:
-    a = inp(request, name)
-    if a is None:
-        return []
-    out = []
-    for v in a.reshape(-1):
-        try:
-            out.append(bytes(v).decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v))
-        except UnicodeDecodeError:
-            raise RequestError(f"input '{name}' is not valid UTF-8") from None
-    return [s for s in out if s]
+    return schema.string_list(RequestTensors(request), name)
 
 
 def int_list(request, name: str) -> List[int]:
-    a = inp(request, name)
-    return [] if a is None else [int(x) for x in a.reshape(-1)]
-
-
-SAMPLING_INPUTS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_token_ids", "stop")
-
-
-def check_prompt(ids: List[int], cfg, max_tokens: int = 0) -> List[int]:
-    """Validate prompt token ids against the model: non-empty, in vocabulary, fits the context."""
-    if not ids:
-        raise RequestError("empty prompt: no input tokens")
-    if min(ids) < 0 or max(ids) >= cfg.vocab_size:
-        raise RequestError(f"token id out of range [0, {cfg.vocab_size})")
-    if len(ids) + max_tokens > cfg.max_position:
-        raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model context "
-                           f"of {cfg.max_position}")
-    return ids
-
-
-def check_kv_tokens(hdr, max_position: int) -> None:
-    """A KV header may not claim more tokens than the model's context (a bogus count would size buffers)."""
-    if not 0 < hdr.num_tokens <= max_position:
-        raise RequestError(f"KV header claims {hdr.num_tokens} tokens; the model context is {max_position}")
+    return schema.int_list(RequestTensors(request), name)
 
 
 def internal_token(purpose: str) -> str:
@@ -149,34 +113,13 @@ def require_admin(request, op: str) -> None:
                            f"request parameter '{ADMIN_PARAM}' (hetserve doctor does)")
 
 
-def sampling_params(request, default_max_tokens: int = 64) -> SamplingParams:
-    p = SamplingParams(
-        max_tokens=scalar(request, "max_tokens", default_max_tokens, int),
-        temperature=scalar(request, "temperature", 0.0, float),
-        top_k=scalar(request, "top_k", 0, int),
-        top_p=scalar(request, "top_p", 1.0, float),
-        seed=scalar(request, "seed", 0, int),
-        ignore_eos=bool(scalar(request, "ignore_eos", False)),
-        stop_token_ids=int_list(request, "stop_token_ids"),
-        stop=string_list(request, "stop"),
-    )
-    try:
-        return p.validate(MAX_TOKENS_LIMIT)
-    except ValueError as e:
-        raise RequestError(str(e)) from None
+def sampling_params(request, default_max_tokens: int = None) -> SamplingParams:
+    return schema.sampling_params(RequestTensors(request), default_max_tokens)
 
 
 def sampling_tensors(p: SamplingParams) -> list:
-    """SamplingParams -> Triton input tensors (for forwarding to another model/server)."""
-    return [
-        ("max_tokens", np.array([p.max_tokens], np.int32)),
-        ("temperature", np.array([p.temperature], np.float32)),
-        ("top_k", np.array([p.top_k], np.int32)),
-        ("top_p", np.array([p.top_p], np.float32)),
-        ("seed", np.array([p.seed], np.uint64)),
-        ("ignore_eos", np.array([p.ignore_eos], bool)),
-        ("stop_token_ids", np.array(p.stop_token_ids or [-1], np.int32)),
-    ]
+    """SamplingParams -> (name, array) pairs for forwarding to another model/server."""
+    return schema.sampling_arrays(p)
 
 
 def str_tensor(name: str, values) -> "pb_utils.Tensor":
@@ -184,26 +127,37 @@ def str_tensor(name: str, values) -> "pb_utils.Tensor":
                                           dtype=np.object_))
 
 
-def error(msg: str, code=None) -> "pb_utils.TritonError":
+_CODE_OF_KIND = {errors.BAD_INPUT: "INVALID_ARG", errors.OVERLOADED: "UNAVAILABLE",
+                 errors.UNAVAILABLE: "UNAVAILABLE", errors.INTERNAL: "INTERNAL"}
+
+
+def error(msg: str, code=None, kind: Optional[str] = None) -> "pb_utils.TritonError":
+    """A TritonError whose message carries its kind (hetserve.errors) and, for retryable kinds, a retry hint.
+    The kind comes from `kind`, else from the code (INVALID_ARG -> bad_input, UNAVAILABLE -> overloaded)."""
+    if kind is None:
+        code = pb_utils.TritonError.INVALID_ARG if code is None else code
+        kind = {pb_utils.TritonError.INVALID_ARG: errors.BAD_INPUT,
+                pb_utils.TritonError.UNAVAILABLE: errors.OVERLOADED}.get(code, errors.INTERNAL)
     if code is None:
-        code = pb_utils.TritonError.INVALID_ARG
-    return pb_utils.TritonError(msg, code)
+        code = getattr(pb_utils.TritonError, _CODE_OF_KIND[kind])
+    if kind in errors.RETRYABLE:
+        msg = retry.hint(msg)
+    return pb_utils.TritonError(errors.tag(kind, msg), code)
 
 
 def error_response(msg: str, code=None) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(output_tensors=[], error=error(msg, code))
 
 
+def error_of(exc: BaseException) -> "pb_utils.TritonError":
+    """Exception -> TritonError with its kind, code and message (one mapping, hetserve.errors)."""
+    kind = errors.kind_of_exception(exc)
+    return error(str(exc), getattr(pb_utils.TritonError, _CODE_OF_KIND[kind]), kind)
+
+
 def classify(exc: Exception):
     """Exception -> Triton error code."""
-    from ..reliability import BreakerOpen, NoDecodeServer
-    from ..scheduler import Overloaded
-
-    if isinstance(exc, (RequestError, ValueError)):
-        return pb_utils.TritonError.INVALID_ARG
-    if isinstance(exc, (Overloaded, BreakerOpen, NoDecodeServer)):
-        return pb_utils.TritonError.UNAVAILABLE
-    return pb_utils.TritonError.INTERNAL
+    return getattr(pb_utils.TritonError, _CODE_OF_KIND[errors.kind_of_exception(exc)])
 
 
 def respond_each(requests, handle, log) -> list:
@@ -214,10 +168,9 @@ def respond_each(requests, handle, log) -> list:
         try:
             out.append(handle(r))
         except Exception as e:
-            code = classify(e)
-            if code == pb_utils.TritonError.INTERNAL:
+            if classify(e) == pb_utils.TritonError.INTERNAL:
                 log.exception("request failed")
-            out.append(error_response(str(e), code))
+            out.append(pb_utils.InferenceResponse(output_tensors=[], error=error_of(e)))
     return out
 
 

@@ -10,7 +10,9 @@ useful, `model`. Names are part of the deployment contract (alerts, Grafana, tes
   hetserve_kv_transfer_seconds     histogram  {transport} wall time of one KV transfer
   hetserve_kv_transfer_bandwidth_bytes_per_second gauge {transport} bytes/s of the last transfer
   hetserve_kv_transfer_failures_total counter {transport, reason} failed sends and refused KV
-  hetserve_kv_recompute_total      counter    {reason} decode recomputed KV (timeout, mismatch, resume)
+  hetserve_kv_recompute_total      counter    {reason} decode recomputed KV (timeout, mismatch, resume,
+                                              transfer_failed: prefill said the KV will not come)
+  hetserve_kv_transfer_not_ok_total counter   {reason, transport} orchestrator saw transfer_ok=false
   hetserve_kv_tier_blocks          gauge      {tier} KV blocks resident per tier
   hetserve_kv_prefix_hits_total / hetserve_kv_prefix_lookups_total  counters of the prefill prefix cache
   hetserve_batch_size              gauge      sequences in the last decode step
@@ -66,6 +68,8 @@ _SPECS = {
     "hetserve_kv_preemptions_total": ("counter", "Running sequences swapped down a KV tier (or dropped for "
                                                  "recompute) to make room", None),
     "hetserve_snapshot_restores_total": ("counter", "Resumed sequences whose KV came from a snapshot", None),
+    "hetserve_kv_transfer_not_ok_total": ("counter", "Requests whose prefill reported transfer_ok=false (decode "
+                                                     "told to recompute at once)", None),
     "hetserve_migrations_total": ("counter", "Streams moved to another decode server mid-generation", None),
     "hetserve_breaker_rejections_total": ("counter", "Requests refused at once by the circuit breaker", None),
     "hetserve_decode_servers": ("gauge", "Decode servers in the pool by health", None),

@@ -1,0 +1,311 @@
+"""The decode stage (what the `decode` model runs): op dispatch, the KV rendezvous and admission into the
+continuous-batching scheduler.
+
+op=generate : join the running batch; stream token ids. The KV normally arrives first (op=ingest, from
+              kv_ingest) and waits in PendingKV; when it has not come within the receive timeout, or the
+              orchestrator said it will not come (kv_sent=false), or the request resumes after a migration, the
+              KV is restored from a snapshot and/or recomputed from prompt + tokens so far.
+op=ingest   : store a transferred KV under request_id (verified here unless kv_ingest proves it verified it).
+op=release  : the orchestrator will not decode this request: drop its pending KV.
+op=canary   : health check, one real engine step.  op=stats: counters.  op=info / op=verify: `hetserve doctor`
+              (admin key required).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+from .. import schema
+from ..errors import RequestError
+from ..kv import wire
+from ..sampling import is_stop_token
+from ..scheduler import Overloaded, Sequence
+from .types import DecodeCall, Metrics, NoMetrics, Reply
+
+log = logging.getLogger("hetserve.decode")
+
+PENDING_TTL_S = 120.0
+OPS = ("generate", "ingest", "release", "canary", "stats", "info", "verify")
+ADMIN_OPS = ("info", "verify")
+RECOMPUTE_REASONS = ("timeout", "mismatch", "resume", "transfer_failed")
+
+
+class PendingKV:
+    """KV that arrived before its generate request (the normal order), keyed by request id. Bounded in entries
+    and bytes (HETSERVE_PENDING_KV_MAX / HETSERVE_PENDING_KV_MB): past either, expired entries go first, then
+    the transfer is refused (Overloaded) and the generate recomputes; entries expire after `ttl_s`."""
+
+    def __init__(self, max_entries: int = 256, max_bytes: int = 1 << 30, ttl_s: float = PENDING_TTL_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self._d: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
+        self._cv = threading.Condition()
+        self.max_entries, self.max_bytes, self.ttl_s, self.clock = max_entries, max_bytes, ttl_s, clock
+        self.nbytes = 0
+
+    @classmethod
+    def from_env(cls) -> "PendingKV":
+        import os
+
+        return cls(int(os.environ.get("HETSERVE_PENDING_KV_MAX") or 256),
+                   int(float(os.environ.get("HETSERVE_PENDING_KV_MB") or 1024) * (1 << 20)))
+
+    def _drop(self, rid):
+        k, v, _ = self._d.pop(rid)
+        self.nbytes -= k.nbytes + v.nbytes
+        return k, v
+
+    def put(self, rid, k, v):
+        size = k.nbytes + v.nbytes
+        with self._cv:
+            now = self.clock()
+            for old in [x for x, (_, _, t) in self._d.items() if now - t > self.ttl_s]:
+                self._drop(old)
+            if rid in self._d:
+                self._drop(rid)
+            if len(self._d) >= self.max_entries or self.nbytes + size > self.max_bytes:
+                raise Overloaded(f"pending KV full ({len(self._d)} transfers, {self.nbytes / 2**20:.0f} MiB of "
+                                 f"{self.max_bytes / 2**20:.0f} MiB) waiting for their generate requests; "
+                                 f"retry after 1.0s")
+            self._d[rid] = (k, v, now)
+            self.nbytes += size
+            self._cv.notify_all()
+
+    def take(self, rid, timeout_s: float):
+        """The KV for `rid`, waiting up to `timeout_s` for it to arrive; None when it does not."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while rid not in self._d:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(left)
+            return self._drop(rid)
+
+    def __len__(self):
+        return len(self._d)
+
+
+def call_from_tensors(t: schema.Tensors, is_admin: bool = False) -> DecodeCall:
+    """The decode model's inputs (hetserve.schema, model "decode") -> DecodeCall."""
+    op = schema.scalar(t, "op", "generate", str)
+    raw = t.get("kv_header")
+    return DecodeCall(
+        op=op, request_id=schema.scalar(t, "request_id", None, str) or None,
+        prompt=schema.int_list(t, "input_ids"), output_ids=schema.int_list(t, "output_ids"),
+        params=schema.sampling_params(t) if op == "generate" else None,
+        precision=schema.scalar(t, "precision", None, str) or None,
+        kv_sent=bool(schema.scalar(t, "kv_sent", schema.INPUTS["kv_sent"].default)),
+        kv_header=None if raw is None or raw.size == 0 else bytes(raw.reshape(-1)[0]),
+        kv_payload=t.get("kv_payload"), ingest_token=schema.scalar(t, "ingest_token", "", str) or "",
+        doctor_args=schema.scalar(t, "doctor_args", "", str) or "", is_admin=is_admin)
+
+
+@dataclass
+class DecodeConfig:
+    kv_timeout_s: float = 0.1      # HETSERVE_KV_TIMEOUT_MS: how long a generate waits for its KV
+    default_precision: str = "fp32"
+
+
+class DecodeStage:
+    """Decode requests on plain Python objects. `engines` maps precision -> engine (engines.runtime.Engine),
+    `sched` is the DecodeScheduler, `admit` a bounded executor (BoundedExecutor: admission waits for KV and may
+    recompute, so it runs off the request thread), `snapshots` a kv.snapshot.Snapshotter or None,
+    `ingest_token_ok` checks kv_ingest's proof that it verified a transfer."""
+
+    def __init__(self, engines: dict, cfg, compat: str, sched, admit, pending: PendingKV,
+                 config: Optional[DecodeConfig] = None, snapshots=None, metrics: Optional[Metrics] = None,
+                 ingest_token_ok: Callable[[str], bool] = lambda token: False):
+        self.engines, self.cfg, self.compat, self.sched, self.admit = engines, cfg, compat, sched, admit
+        self.pending, self.snapshots = pending, snapshots
+        self.config = config or DecodeConfig()
+        self.metrics = metrics or NoMetrics()
+        self.ingest_token_ok = ingest_token_ok
+        self.counters = {"recompute": 0, "ingested": 0}
+
+    # ---- dispatch ------------------------------------------------------------------------------------------
+    def handle_tensors(self, t: schema.Tensors, reply: Reply, is_admin: bool = False) -> None:
+        """handle() for the raw inputs; inputs that do not parse are refused through `reply`."""
+        try:
+            call = call_from_tensors(t, is_admin)
+        except Exception as e:  # bad shape, UTF-8, sampling bounds: drop KV pushed for a refused generate
+            rid = t.get("request_id")
+            if rid is not None and rid.size == 1:
+                self.pending.take(bytes(rid.reshape(-1)[0]).decode("utf-8", "replace"), 0)
+            reply.error(e)
+            return
+        self.handle(call, reply)
+
+    def handle(self, call: DecodeCall, reply: Reply) -> None:
+        """Answer one request through `reply`, now or later (generate, verify: from the admission pool).
+        Every failure becomes reply.error(exc), never an exception out of here."""
+        try:
+            if call.op not in OPS:
+                raise RequestError(f"unknown op {call.op!r}; use {', '.join(OPS[:-1])} or {OPS[-1]}")
+            if call.op in ADMIN_OPS and not call.is_admin:
+                from ..server import ADMIN_PARAM
+
+                raise RequestError(f"op={call.op} is an admin op: send the deployment admin key "
+                                   f"(HETSERVE_ADMIN_KEY) as the request parameter '{ADMIN_PARAM}' (hetserve "
+                                   f"doctor does)")
+            getattr(self, "_op_" + call.op)(call, reply)
+        except Exception as e:
+            if call.op == "generate" and call.request_id:  # refused: drop KV already pushed for it (else TTL)
+                self.pending.take(call.request_id, 0)
+            if not isinstance(e, (RequestError, Overloaded)):
+                log.exception("decode op=%s failed", call.op)
+            reply.error(e)
+
+    def _precision(self, prec: Optional[str], default: Optional[str] = None) -> str:
+        prec = prec or default or self.config.default_precision
+        if prec not in self.engines:
+            raise RequestError(f"decode precision {prec!r} not loaded; have {sorted(self.engines)}")
+        return prec
+
+    # ---- ops -----------------------------------------------------------------------------------------------
+    def _op_canary(self, call: DecodeCall, reply: Reply) -> None:
+        eng = self.engines[self.config.default_precision]
+        bos = self.cfg.bos_token_id
+        logits, _, _ = eng.prefill([int(bos) if bos is not None else 1])
+        reply.tokens([int(np.argmax(logits))], final=True)
+
+    def _op_ingest(self, call: DecodeCall, reply: Reply) -> None:
+        """KV from kv_ingest (verified there; it proves it with the ingest token) or from anyone else, which is
+        verified here: compat hash, layout, shape, context bound, size, checksum."""
+        rid = call.request_id
+        if not rid or call.kv_header is None or call.kv_payload is None:
+            raise RequestError("op=ingest needs 'request_id', 'kv_header' and 'kv_payload'")
+        hdr = wire.KVHeader.from_json(call.kv_header)
+        payload = np.ascontiguousarray(call.kv_payload.reshape(-1), dtype=np.uint8)
+        if not self.ingest_token_ok(call.ingest_token):
+            schema.check_kv_tokens(hdr, self.cfg.max_position)
+            try:
+                wire.verify(hdr, payload, self.compat, (self.cfg.num_layers, self.cfg.num_kv_heads,
+                                                        self.cfg.head_dim))
+            except wire.KVWireError as e:
+                raise RequestError(f"KV refused for request {rid}: {e}") from None
+        k, v = wire.decode(hdr, payload)
+        self.pending.put(rid, k, v)
+        self.counters["ingested"] += 1
+        reply.tokens([], final=True)
+
+    def _op_release(self, call: DecodeCall, reply: Reply) -> None:
+        if not call.request_id:
+            raise RequestError("op=release needs 'request_id'")
+        self.pending.take(call.request_id, 0)
+        reply.tokens([], final=True)
+
+    def _op_stats(self, call: DecodeCall, reply: Reply) -> None:
+        reply.json(self.stats())
+
+    def _op_generate(self, call: DecodeCall, reply: Reply) -> None:
+        rid, prompt, out_ids, params = call.request_id, call.prompt, call.output_ids, call.params
+        if not rid:
+            raise RequestError("missing 'request_id'")
+        if not prompt or not out_ids:
+            raise RequestError("'input_ids' (prompt) and 'output_ids' (tokens so far, >= 1) are required")
+        schema.check_prompt(prompt + out_ids, self.cfg, params.max_tokens - len(out_ids))
+        params.stop_token_ids = [t for t in params.stop_token_ids if t >= 0]  # [-1] stands for "none"
+        prec = self._precision(call.precision)
+        if len(out_ids) >= params.max_tokens or is_stop_token(out_ids[-1], params, self.cfg.eos_token_ids):
+            reply.tokens([], "length", final=True)
+            self.pending.take(rid, 0)
+            return
+        self.admit.submit(self._admit, call, prec, reply)
+
+    def _op_info(self, call: DecodeCall, reply: Reply) -> None:
+        from .. import doctor
+
+        man = next(iter(self.engines.values())).manifest
+        reply.json(doctor.server_info("decode", man, {e.name: e.precision for e in self.engines.values()},
+                                      pending=len(self.pending), counters=dict(self.counters),
+                                      default_precision=self.config.default_precision,
+                                      kv_timeout_ms=self.config.kv_timeout_s * 1e3))
+
+    def _op_verify(self, call: DecodeCall, reply: Reply) -> None:
+        """Take the KV sent under request_id out of pending and compare its next-token logits with a full
+        recompute of input_ids (doctor.verify_kv), off the request thread."""
+        from .. import doctor
+
+        args = doctor.parse_args_json(call.doctor_args)
+        if not call.request_id or len(call.prompt) < 2:
+            raise RequestError("op=verify needs 'request_id' and 'input_ids' (the prompt, >= 2 tokens)")
+        schema.check_prompt(call.prompt, self.cfg)
+        prec = self._precision(call.precision, "fp32" if "fp32" in self.engines else None)
+        timeout_s = min(max(float(args.get("timeout_s", 5.0)), 0.0), 60.0)
+        self.admit.submit(self._verify, call, prec, timeout_s, reply)
+
+    # ---- admission (admission pool threads) ----------------------------------------------------------------
+    def _verify(self, call: DecodeCall, prec: str, timeout_s: float, reply: Reply) -> None:
+        from .. import doctor
+
+        try:
+            got = self.pending.take(call.request_id, timeout_s)
+            if got is None:
+                raise RequestError(f"no KV arrived for request {call.request_id!r} within {timeout_s:g}s")
+            reply.json(doctor.verify_kv(self.engines[prec], call.prompt, *got))
+        except Exception as e:
+            if not isinstance(e, RequestError):
+                log.exception("decode op=verify failed")
+            reply.error(e)
+
+    def context_kv(self, call: DecodeCall, prec: str):
+        """KV of prompt + output_ids[:-1]: the transferred KV, else a snapshot + the tail, else a recompute."""
+        rid, prompt, out_ids = call.request_id, call.prompt, call.output_ids
+        first = len(out_ids) == 1
+        got = self.pending.take(rid, self.config.kv_timeout_s) if first and call.kv_sent else None
+        if first and not call.kv_sent:
+            self.pending.take(rid, 0)  # a partial transfer may still have landed: never use it, free it
+        ctx = prompt + out_ids[:-1]
+        if got is not None and got[0].shape[2] == len(ctx):
+            return got
+        eng = self.engines[prec]
+        if not first and self.snapshots is not None:  # resume after migration
+            snap = self.snapshots.restore(rid, ctx, (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim))
+            if snap is not None:
+                n, k, v = snap
+                self.metrics.inc("hetserve_snapshot_restores_total")
+                if n == len(ctx):
+                    return k, v
+                _, tk, tv = eng.prefill(ctx[n:], past_k=k, past_v=v)
+                return np.concatenate([k, tk], axis=2), np.concatenate([v, tv], axis=2)
+        # KV missing (timeout, failed transfer, or resume without snapshot): recompute it here.
+        self.counters["recompute"] += 1
+        reason = ("resume" if not first else "transfer_failed" if not call.kv_sent
+                  else "timeout" if got is None else "mismatch")
+        self.metrics.inc("hetserve_kv_recompute_total", reason=reason)
+        _, k, v = eng.prefill(ctx)
+        return k, v
+
+    def _admit(self, call: DecodeCall, prec: str, reply: Reply) -> None:
+        try:
+            k, v = self.context_kv(call, prec)
+            if self.snapshots is not None:
+                self.snapshots.track(call.request_id, call.prompt)
+
+            def on_tokens(toks, reason):
+                reply.tokens(list(toks), reason, final=bool(reason))
+
+            self.sched.submit(Sequence(call.request_id, len(call.prompt), list(call.output_ids), call.params, prec,
+                                       on_tokens, reply.cancelled, k=k, v=v, prompt_ids=list(call.prompt)))
+        except Exception as e:
+            if not isinstance(e, (RequestError, Overloaded)):
+                log.exception("decode admission failed")
+            reply.error(e)
+
+    def stats(self) -> dict:
+        sched = self.sched
+        with sched.cv:
+            out = {"running": sched.n_running(), "waiting": len(sched.waiting), "pending_kv": len(self.pending),
+                   "scheduler": dict(sched.stats), "counters": dict(self.counters)}
+        pool = getattr(sched, "kv_pool", None)
+        if pool is not None:
+            out["kv_pool"] = pool.stats()
+        if self.snapshots is not None:
+            out["snapshots"] = {**self.snapshots.stats, "files": self.snapshots.store.count(),
+                                "tracked": len(self.snapshots.prompts)}
+        return out

@@ -1,0 +1,132 @@
+"""The orchestrator stage (what the `llm` model runs): pick a decode server, prefill (KV pushed there), stream
+decode, migrate on decode failure.
+
+Reliability (reliability.py): decode servers come from a health-checked pool and are picked by load; the
+circuit breaker refuses requests at once while latency or queues are out of bounds; when a decode server fails
+or stalls mid-stream the request moves to another one, which resumes from the KV snapshot or by recomputing
+prompt + tokens so far, and the client keeps one uninterrupted stream. A prefill that reports transfer_ok=false
+makes decode recompute at once (kv_sent=false) instead of waiting for KV that will not come.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ..errors import RequestError
+from ..sampling import is_stop_token
+from ..scheduler import Overloaded
+from .types import (Breaker, DecodeClient, DecodeFailed, DecodeRequest, GenerateRequest, Metrics, NoMetrics,
+                    Pool, PrefillClient, PrefillJob, TokenSink)
+
+log = logging.getLogger("hetserve.orchestrator")
+
+# {reason, transport}: prefill reported transfer_ok=false, decode was told to recompute at once
+TRANSFER_FAILED_METRIC = "hetserve_kv_transfer_not_ok_total"
+
+
+@dataclass
+class OrchestratorConfig:
+    step_timeout_s: float = 30.0   # a decode server silent this long is treated as dead (migrate)
+    max_migrations: int = 3        # moves per request before giving up
+
+
+class Orchestrator:
+    def __init__(self, prefill: PrefillClient, decode: DecodeClient, pool: Pool, breaker: Breaker,
+                 eos_ids, config: Optional[OrchestratorConfig] = None, metrics: Optional[Metrics] = None):
+        self.prefill, self.decode, self.pool, self.breaker = prefill, decode, pool, breaker
+        self.eos_ids = list(eos_ids)
+        self.config = config or OrchestratorConfig()
+        self.metrics = metrics or NoMetrics()
+
+    def run(self, req: GenerateRequest, sink: TokenSink, t0: Optional[float] = None) -> None:
+        """Generate into `sink` until it is finished. Raises on failure (the adapter answers with the error,
+        unless the sink already finished); the breaker and the pool lease are settled here either way.
+        `t0` is when the request arrived (TTFT for the breaker)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        lease: List[Optional[str]] = [None]  # the pool member in use
+        probe = False
+        try:
+            self.breaker.allow()  # raises BreakerOpen -> UNAVAILABLE at once
+            probe = True
+            lease[0] = self.pool.pick()
+            rid = uuid.uuid4().hex
+            res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, lease[0], req.transport,
+                                                  req.kv_dtype))
+            self.breaker.record(time.perf_counter() - t0)
+            probe = False
+            if not res.transfer_ok:
+                transport = res.transport_used or req.transport or "default"
+                self.metrics.inc(TRANSFER_FAILED_METRIC, reason="transfer_failed", transport=transport)
+                log.warning("request %s: prefill could not send the KV to %s over %s; decode recomputes it at "
+                            "once", rid, lease[0], transport)
+            first = res.first_token
+            stop = is_stop_token(first, req.params, self.eos_ids)
+            reason = "stop" if stop else ("length" if req.params.max_tokens == 1 else None)
+            if not sink.push([first], reason) or sink.cancelled():
+                if res.transfer_ok:
+                    self.decode.release(lease[0], rid)  # no decode for it: free the KV pushed to decode
+                return
+            self._decode(sink, DecodeRequest(rid, list(req.prompt), [first], req.params, req.precision,
+                                             kv_sent=res.transfer_ok), lease)
+        except Exception as e:
+            from ..reliability import BreakerOpen
+
+            if isinstance(e, BreakerOpen):
+                self.metrics.inc("hetserve_breaker_rejections_total")
+            elif not isinstance(e, RequestError):
+                self.breaker.record_failure(overloaded=isinstance(e, Overloaded))
+                probe = False
+            raise
+        finally:
+            if probe:
+                self.breaker.release_probe()
+            if lease[0] is not None:
+                self.pool.release(lease[0])
+
+    def _decode(self, sink: TokenSink, dreq: DecodeRequest, lease: List[Optional[str]]) -> None:
+        """Stream from decode servers until the sequence ends; on failure migrate to another server with the
+        tokens so far. lease[0] is the pool member in use (released by run())."""
+        tried: List[str] = []
+        migrations = 0
+        while True:
+            url = lease[0]
+            ds = self.decode.open(url)
+            cancel = False
+            try:
+                ds.start(dreq)
+                for chunk in ds.responses(self.config.step_timeout_s):
+                    if sink.cancelled():
+                        cancel = True
+                        return
+                    dreq.output_ids.extend(chunk.token_ids)
+                    if not sink.push(chunk.token_ids, chunk.finish_reason):
+                        cancel = chunk.finish_reason is None or sink.finish_reason != chunk.finish_reason
+                        return
+                sink.finish("stop")
+                return
+            except (DecodeFailed, Overloaded) as e:
+                cancel = True
+                overloaded = isinstance(e, Overloaded)
+                if not overloaded:
+                    self.pool.mark_down(url, str(e))
+                tried.append(url)
+                migrations += 1
+                if migrations > self.config.max_migrations:
+                    raise
+                self.pool.release(url)
+                lease[0] = None
+                try:
+                    lease[0] = self.pool.pick(exclude=tried)
+                except Exception:
+                    if overloaded:
+                        raise e from None
+                    raise
+                dreq.kv_sent = False  # the transferred KV (if any) went to the old server: none will come
+                log.warning("request %s: %s; resuming after %d tokens on %s", dreq.request_id, e,
+                            len(dreq.output_ids), lease[0])
+                self.metrics.inc("hetserve_migrations_total")
+            finally:
+                ds.close(cancel=cancel)

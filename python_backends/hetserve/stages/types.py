@@ -1,0 +1,152 @@
+"""Typed requests and responses of the stages, and the interfaces through which a stage talks to its
+neighbours. No Triton import: the adapters in hetserve/triton/ convert tensors <-> these, the unit tests
+(tests/test_stages.py) implement the interfaces with in-process fakes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Protocol
+
+import numpy as np
+
+from ..sampling import SamplingParams
+
+
+# ---- orchestrator (llm) ------------------------------------------------------------------------------------
+@dataclass
+class GenerateRequest:
+    """One generation as the orchestrator sees it: the prompt is already token ids."""
+    prompt: List[int]
+    params: SamplingParams
+    precision: str                   # decode engine precision
+    transport: Optional[str] = None  # KV transport (None: prefill's default)
+    kv_dtype: Optional[str] = None   # KV wire dtype (None: prefill's default)
+
+
+@dataclass
+class PrefillJob:
+    request_id: str
+    prompt: List[int]
+    params: SamplingParams
+    decode_url: str                  # the pool member that will decode (prefill pushes the KV there)
+    transport: Optional[str] = None
+    kv_dtype: Optional[str] = None
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    transfer_ok: bool = True         # false: the KV did not reach decode (decode must recompute)
+    transport_used: str = ""
+
+
+@dataclass
+class DecodeRequest:
+    """op=generate on a decode server: continue `output_ids` (>= 1 token) after `prompt`."""
+    request_id: str
+    prompt: List[int]
+    output_ids: List[int]
+    params: SamplingParams
+    precision: Optional[str] = None
+    kv_sent: bool = True             # false: do not wait for transferred KV, recompute at once
+
+
+@dataclass
+class TokenChunk:
+    token_ids: List[int]
+    finish_reason: Optional[str] = None  # set on the final chunk
+
+
+class PrefillClient(Protocol):
+    def prefill(self, job: PrefillJob) -> PrefillResult: ...
+
+
+class DecodeStream(Protocol):
+    """One generate request streaming from one decode server. responses() raises DecodeFailed (server gone,
+    stalled: migrate), Overloaded (refused: another server may accept) or RequestError (its verdict stands)."""
+
+    def start(self, req: DecodeRequest) -> None: ...
+
+    def responses(self, timeout_s: float) -> Iterator[TokenChunk]: ...
+
+    def close(self, cancel: bool = False) -> None: ...
+
+
+class DecodeClient(Protocol):
+    def open(self, url: str) -> DecodeStream: ...
+
+    def release(self, url: str, request_id: str) -> None:
+        """Best effort, off the caller's thread: drop KV pushed to `url` for a request that will not decode."""
+
+
+class TokenSink(Protocol):
+    """Where generated tokens go (the adapter detokenises and answers the client). push() returns False once
+    generation should stop (stop string, final reason); finish_reason is set once the stream is closed."""
+    finish_reason: Optional[str]
+
+    def push(self, token_ids: List[int], reason: Optional[str] = None) -> bool: ...
+
+    def finish(self, reason: str) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+class Pool(Protocol):  # reliability.DecodePool
+    def pick(self, exclude=()) -> str: ...
+
+    def release(self, url: str) -> None: ...
+
+    def mark_down(self, url: str, why: str) -> None: ...
+
+
+class Breaker(Protocol):  # reliability.CircuitBreaker
+    def allow(self) -> None: ...
+
+    def record(self, latency_s: float) -> None: ...
+
+    def record_failure(self, overloaded: bool) -> None: ...
+
+    def release_probe(self) -> None: ...
+
+
+class Metrics(Protocol):  # triton.metrics.Registry
+    def inc(self, name: str, value: float = 1.0, **labels) -> None: ...
+
+
+class NoMetrics:
+    def inc(self, name: str, value: float = 1.0, **labels) -> None:
+        pass
+
+
+class DecodeFailed(RuntimeError):
+    """The decode server failed, went away or stalled mid-stream: move the request to another one."""
+
+
+# ---- decode server -------------------------------------------------------------------------------------------
+@dataclass
+class DecodeCall:
+    """One request to the decode model, typed (DecodeStage.from_tensors builds it from the inputs)."""
+    op: str
+    request_id: Optional[str] = None
+    prompt: List[int] = field(default_factory=list)
+    output_ids: List[int] = field(default_factory=list)
+    params: Optional[SamplingParams] = None   # op=generate only
+    precision: Optional[str] = None
+    kv_sent: bool = True
+    kv_header: Optional[bytes] = None
+    kv_payload: Optional[np.ndarray] = None
+    ingest_token: str = ""
+    doctor_args: str = ""
+    is_admin: bool = False                    # the caller holds the deployment admin key (adapter checks)
+
+
+class Reply(Protocol):
+    """The decode adapter's answer channel for one request (a Triton response sender). Exactly one final
+    answer per request: tokens(..., final=True), json() or error()."""
+
+    def tokens(self, token_ids: List[int], finish_reason: Optional[str] = None, final: bool = False) -> None: ...
+
+    def json(self, obj: dict) -> None: ...
+
+    def error(self, exc: BaseException) -> None: ...
+
+    def cancelled(self) -> bool: ...
