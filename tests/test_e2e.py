@@ -156,7 +156,7 @@ def test_kv_ingest_refuses_mismatch(topology):
 
     from hetserve.engines.manifest import read_manifest
     from hetserve.kv import wire
-    from hetserve.kv.transport import _ingest_inputs
+    from hetserve.kv.transport.control import ingest_inputs
 
     man = read_manifest(topology.engine_dir)
     c = man["config"]
@@ -170,14 +170,14 @@ def test_kv_ingest_refuses_mismatch(topology):
     payload[3] ^= 0x55
     cases.append((hdr, payload, "checksum mismatch"))
     for hdr, payload, match in cases:
-        rid, h, p = _ingest_inputs("bad-1", hdr, payload.nbytes)
+        ins, p = ingest_inputs("bad-1", hdr, payload.nbytes)
         p.set_data_from_numpy(payload)
         with pytest.raises(InferenceServerException, match=match):
-            client.infer("kv_ingest", [rid, h, p])
+            client.infer("kv_ingest", ins)
     hdr, payload = wire.encode(k, k, man["compat_hash"], "int8")
-    rid, h, p = _ingest_inputs("good-1", hdr, payload.nbytes)
+    ins, p = ingest_inputs("good-1", hdr, payload.nbytes)
     p.set_data_from_numpy(payload)
-    r = client.infer("kv_ingest", [rid, h, p])
+    r = client.infer("kv_ingest", ins)
     assert int(r.as_numpy("kv_tokens")[0]) == 4
 
 

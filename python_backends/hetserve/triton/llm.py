@@ -139,7 +139,8 @@ class TritonPythonModel:
         self._slots = threading.BoundedSemaphore(self.max_inflight)
         REGISTRY.set("hetserve_breaker_state", 0)
         self.breaker = CircuitBreaker.from_env(on_state=lambda st: REGISTRY.set("hetserve_breaker_state", st))
-        self.pool = DecodePool.from_env(on_change=self._pool_metrics)
+        self.pool = DecodePool.from_env(on_change=self._pool_metrics, on_fallback=lambda req, used, why: REGISTRY.inc(
+            "hetserve_kv_transport_fallbacks_total", requested=req, used=used, reason=why))  # kv transport hunk
         self._pool_metrics(self.pool.snapshot())
         tokenizer()
 
@@ -168,10 +169,11 @@ class TritonPythonModel:
     def _prefill(self, r, rid, prompt, params, url):
         pf_in = [pb_utils.Tensor("input_ids", np.asarray(prompt, np.int32)), str_tensor("request_id", [rid]),
                  str_tensor("decode_url", [url]), str_tensor("internal_token", [self.prefill_token])]
-        for name in ("transport", "kv_dtype"):
-            v = scalar(r, name, None, str)
-            if v:
-                pf_in.append(str_tensor(name, [v]))
+        # the transport negotiated with this decode member (kv/transport; a fallback is counted + logged)
+        pf_in.append(str_tensor("transport", [self.pool.transport_for(url, scalar(r, "transport", None, str))]))
+        v = scalar(r, "kv_dtype", None, str)
+        if v:
+            pf_in.append(str_tensor("kv_dtype", [v]))
         pf_in += [pb_utils.Tensor(n, a) for n, a in sampling_tensors(params)]
         return int(_bls("prefill", pf_in, ["first_token", "transfer_ok"])["first_token"].reshape(-1)[0])
 
