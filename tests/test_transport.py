@@ -97,7 +97,7 @@ def test_pool_negotiates_once_per_member_and_counts_fallbacks():
         pool.close()
 
 
-def test_pool_keeps_a_member_whose_negotiation_fails_on_grpc_only():
+def test_pool_keeps_a_member_whose_negotiation_fails_on_grpc_only_and_asks_again():
     def negotiate(url, timeout_s):
         raise RuntimeError("kv_ingest has no op=caps")
 
@@ -105,6 +105,8 @@ def test_pool_keeps_a_member_whose_negotiation_fails_on_grpc_only():
     try:
         m = pool.check_all()["d1:9001"]
         assert m.healthy and m.transports == ("grpc",) and "no op=caps" in m.transport_notes["*"]
+        pool.negotiate = lambda url, timeout_s: _Negotiated(("grpc", "shm"))  # kv_ingest came up: asked again
+        assert pool.check_all()["d1:9001"].transports == ("grpc", "shm")
     finally:
         pool.close()
 

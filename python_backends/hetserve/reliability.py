@@ -344,11 +344,13 @@ class DecodePool:
 
     def _check_member(self, url: str):
         """Health check, then (first time, or after being down) the transport negotiation: (canary ms, None or
-        (transports, notes)). A negotiation that fails leaves the member healthy with the baseline only."""
+        (transports, notes)). A negotiation that fails leaves the member healthy with the baseline only, and is
+        tried again next round."""
         ms = self.check(url, self.timeout_s)
         with self._lock:
             m = self.members.get(url)
-            known = m is not None and bool(m.transports)
+            # "*" = the last negotiation failed (e.g. kv_ingest not loaded yet): grpc meanwhile, ask again
+            known = m is not None and bool(m.transports) and "*" not in (m.transport_notes or {})
         if known:
             return ms, None
         try:

@@ -59,6 +59,11 @@ class TritonPythonModel:
         self._receivers: Dict[str, TransportReceiver] = {}
         self._receiver_errors: Dict[str, str] = {}  # transport -> why its receiver could not start
         declare_transfer_failures(NAMES)
+        for name in NAMES:  # start receivers now (NIXL: its agent, ~2 s) so op=caps and the first pull are quick
+            try:
+                self._receiver(name)
+            except TransferError:
+                pass  # logged; op=caps reports why
 
     def finalize(self):
         for r in self._receivers.values():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -59,10 +60,13 @@ class TritonPythonModel:
     def initialize(self, args):
         self.engine = Engine(engine_dir(), os.environ.get("HETSERVE_PREFILL_ENGINE", "prefill_fp32"))
         self.engine.warmup()
-        self.sender = KVSender(on_fallback=self._record_fallback)
         self._unavailable = {}  # transport -> why it cannot run here ('' = it can), asked once per transport
+        self.sender = KVSender(on_fallback=self._record_fallback)
         self.default_url = os.environ.get("HETSERVE_DECODE_URL", "127.0.0.1:9001").split(",")[0]
         self.default_transport = os.environ.get("HETSERVE_KV_TRANSPORT", "grpc")
+        if self.default_transport in TRANSPORTS and not self._unavailable_reason(self.default_transport):
+            threading.Thread(target=self.sender.prepare, args=(self.default_transport,), daemon=True,
+                             name="kv-transport-prepare").start()
         self.default_kv_dtype = os.environ.get("HETSERVE_KV_DTYPE", "fp32")
         self.cfg = self.engine.config
         self.prefix = PrefixCache.from_env(seed=self.engine.compat_hash)  # HETSERVE_PREFIX_CACHE_MB

@@ -7,6 +7,7 @@ kv_remote) is the same for all of them and its reply is the completion signal.
 
 Sender lifecycle (prefill side, one instance per transport per process, made lazily by KVSender):
   __init__()              nothing remote yet (cheap; allocation and registration happen on first use)
+  prepare()               optional: do that first-use work now (agent start, staging registration)
   start(url, rid, hdr, payload, timeout_s) -> Transfer
                           stage the payload (copy into a registered region for shm/nixl/cuda_shm) and post the
                           control call asynchronously; raises CapacityExhausted when the staging region is full
@@ -110,6 +111,9 @@ class TransportSender(ABC):
     @abstractmethod
     def start(self, url: str, request_id: str, hdr: KVHeader, payload: np.ndarray, timeout_s: float) -> Transfer:
         ...
+
+    def prepare(self) -> None:  # noqa: B027 -- transports without local setup have nothing to do ahead
+        pass
 
     def forget(self, url: str) -> None:  # noqa: B027 -- transports without per-peer state have nothing to drop
         pass

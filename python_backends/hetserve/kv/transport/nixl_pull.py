@@ -82,6 +82,9 @@ class NixlSender(TransportSender):
                          self.region_bytes >> 20)
             return self._agent
 
+    def prepare(self) -> None:
+        self._ready()
+
     def start(self, url, request_id, hdr, payload, timeout_s):
         agent = self._ready()
         n = payload.nbytes

@@ -39,6 +39,13 @@ class KVSender:
                 t = self._senders[name] = getattr(s.load(), s.sender)(self.clients)
             return t
 
+    def prepare(self, name: str) -> None:
+        """Start `name`'s sender now (NIXL: agent + registered staging: ~2 s) instead of in the first request."""
+        try:
+            self.transport(name).prepare()
+        except Exception as e:  # the first send will raise it again, typed; here it is only a head start
+            log.warning("could not prepare KV transport %s: %s", name, e)
+
     def client(self, url: str):
         return self.clients.get(url)
 
