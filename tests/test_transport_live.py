@@ -108,3 +108,50 @@ def test_doctor_nixl_link_and_kv_lines(servers):
     assert c["link/nixl"].data["gbps"] > 0 and "fell back" not in c["link/nixl"].detail
     assert c["kv/nixl/fp32"].data["exact"] == 1  # bit-exact KV through NIXL
     assert re.search(r"^\s+nixl\s+2048\s", text, re.M), text
+
+
+def _probe_kv(engine_dir, compat=None, tokens=8):
+    import numpy as np
+
+    from hetserve.engines.manifest import read_manifest
+    from hetserve.kv import wire
+
+    man = read_manifest(engine_dir)
+    c = man["config"]
+    k = np.random.default_rng(1).standard_normal((c["num_layers"], c["num_kv_heads"], tokens, c["head_dim"]))
+    return wire.encode(k.astype(np.float32), k.astype(np.float32), compat or man["compat_hash"], "fp16")
+
+
+def test_shm_registration_lost_is_typed_and_recovered(servers, engine_dir):
+    """The decode server forgets our shm region (as after a restart): the sender learns it from the server's
+    registration status (PeerLostRegistration, no message matching), registers again and the send succeeds."""
+    from hetserve.kv.transport import KVSender
+    from hetserve.server import admin_headers
+
+    _, decode = servers
+    s = KVSender()
+    try:
+        hdr, payload = _probe_kv(engine_dir)
+        assert s.send(decode.grpc_url, "shm", "hetserve-probe/shm-1", hdr, payload)["transport"] == "shm"
+        region = s.transport("shm")._regions[decode.grpc_url].name
+        s.client(decode.grpc_url).unregister_system_shared_memory(region, headers=admin_headers())
+        info = s.send(decode.grpc_url, "shm", "hetserve-probe/shm-2", hdr, payload)
+        assert info["transport"] == "shm" and s.transport("shm")._regions[decode.grpc_url].name != region
+    finally:
+        s.close()
+
+
+def test_nixl_refusal_is_typed_and_counted_on_decode(servers, engine_dir):
+    from hetserve.kv.transport import KVSender, PeerRefused
+
+    _, decode = servers
+    key = dict(transport="nixl", reason="hash_mismatch")
+    before = _metric(decode.metrics_port, "hetserve_kv_transfer_failures_total", **key)
+    s = KVSender()
+    try:
+        with pytest.raises(PeerRefused, match="model hash mismatch"):
+            s.send(decode.grpc_url, "nixl", "bad-nixl-1", *_probe_kv(engine_dir, compat="0" * 32))
+        assert s.transport("nixl")._alloc.free_bytes() == s.transport("nixl").region_bytes  # range released
+    finally:
+        s.close()
+    assert _metric(decode.metrics_port, "hetserve_kv_transfer_failures_total", **key) == before + 1
