@@ -144,7 +144,8 @@ class ShmSender(TransportSender):
             raise
 
         def classify(err: TransferError) -> TransferError:
-            if not isinstance(err, (CapacityExhausted,)) and not self._still_registered(url, region):
+            # Triton answers an unknown region like a bad input: ask it whether it still has ours
+            if not self._still_registered(url, region):
                 return PeerLostRegistration(f"{url} no longer has our shm region {region.name} registered "
                                             f"(restarted?): {err}")
             return err
