@@ -162,3 +162,52 @@ def test_nixl_refusal_is_typed_and_counted_on_decode(servers, engine_dir):
     finally:
         s.close()
     assert _metric(decode.metrics_port, "hetserve_kv_transfer_failures_total", **key) == before + 1
+
+
+def test_shm_to_a_decode_server_with_another_dev_shm_is_negotiated_away(engine_dir, tmp_path, monkeypatch):
+    """A decode server that cannot see our /dev/shm (its own tmpfs in a private mount namespace: what another host
+    or a container with its own IPC namespace looks like). The pool's handshake leaves shm out for it, so a
+    request asking for shm goes over grpc -- counted as a fallback (reason peer_unsupported), not failed and
+    silently recomputed -- and gives the same tokens; nixl still works to it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a private mount namespace (unshare -m)")
+    from hetserve.server import ServerSpec, TritonProcess, check_ports_free, tritonserver_binary
+
+    wrapper = tmp_path / "tritonserver-own-dev-shm"
+    wrapper.write_text("#!/bin/sh\n# tritonserver with a /dev/shm of its own (private mount namespace)\n"
+                       "exec unshare -m /bin/sh -c 'mount -t tmpfs -o size=1g tmpfs /dev/shm && exec \"$@\"' "
+                       f"sh {tritonserver_binary()} \"$@\"\n")
+    wrapper.chmod(0o755)
+    light = {"HETSERVE_BREAKER_P99_MS": "60000", "HETSERVE_DECODE_ENGINES": "decode_fp32", "HETSERVE_THREADS": "1"}
+    decode = ServerSpec("decode", BASE + 30, BASE + 31, BASE + 32, engine_dir, env=light,
+                        log_file=str(tmp_path / "decode.log"))
+    prefill = ServerSpec("prefill", BASE + 40, BASE + 41, BASE + 42, engine_dir, log_file=str(tmp_path / "prefill.log"),
+                         env={**light, "HETSERVE_DECODE_URL": decode.grpc_url, "HETSERVE_HEALTH_INTERVAL_S": "1",
+                              "HETSERVE_HEALTH_TIMEOUT_S": "20", "HETSERVE_KV_TIMEOUT_MS": "100"})
+    check_ports_free([decode, prefill])
+    with monkeypatch.context() as m:
+        m.setenv("HETSERVE_TRITONSERVER", str(wrapper))
+        d = TritonProcess(decode).start(check_ports=False)
+    procs = [d, TritonProcess(prefill).start(check_ports=False)]
+    try:
+        for p in procs:
+            p.wait_ready(300)
+        from hetserve.kv.transport.negotiate import negotiate
+
+        n = negotiate(decode.grpc_url, 10)
+        assert "shm" not in n.transports and "same host" in n.reasons["shm"] and "nixl" in n.transports
+        ask = dict(kv_dtype="fp32", decode_precision="fp32", max_tokens=12, ignore_eos=True, timeout_s=120)
+        generate(prefill.grpc_url, "Hi", transport="grpc", max_tokens=2, timeout_s=120)  # pool negotiated
+        fell = dict(requested="shm", used="grpc", reason="peer_unsupported")
+        f0 = _metric(prefill.metrics_port, "hetserve_kv_transport_fallbacks_total", **fell)
+        r0 = _metric(decode.metrics_port, "hetserve_kv_recompute_total")
+        ref = generate(prefill.grpc_url, PROMPTS[0], transport="grpc", **ask).token_ids
+        assert generate(prefill.grpc_url, PROMPTS[0], transport="shm", **ask).token_ids == ref
+        assert generate(prefill.grpc_url, PROMPTS[0], transport="nixl", **ask).token_ids == ref
+        assert _metric(prefill.metrics_port, "hetserve_kv_transport_fallbacks_total", **fell) == f0 + 1
+        assert _metric(prefill.metrics_port, "hetserve_kv_transfer_bytes_total", transport="shm") == 0
+        assert _metric(prefill.metrics_port, "hetserve_kv_transfer_bytes_total", transport="nixl") > 0
+        assert _metric(decode.metrics_port, "hetserve_kv_recompute_total") == r0  # the KV arrived every time
+    finally:
+        for p in reversed(procs):
+            p.stop()
