@@ -64,7 +64,7 @@ def test_decode_offers_nixl_and_the_pair_negotiates_all_three(servers):
 
     _, decode = servers
     offer = fetch_offer(decode.grpc_url, 10)
-    assert set(LIVE) <= set(offer["transports"]) and offer["transports"]["nixl"]["agent"].startswith("hetserve-decode-")
+    assert set(LIVE) <= set(offer["transports"])
     assert "unverified" in offer["unavailable"].get("cuda_shm", "unverified")
     assert negotiate(decode.grpc_url, 10).transports == LIVE
 

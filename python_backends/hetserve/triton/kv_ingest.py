@@ -59,11 +59,7 @@ class TritonPythonModel:
         self._receivers: Dict[str, TransportReceiver] = {}
         self._receiver_errors: Dict[str, str] = {}  # transport -> why its receiver could not start
         declare_transfer_failures(NAMES)
-        for name in NAMES:  # start receivers now (NIXL: its agent, ~2 s) so op=caps and the first pull are quick
-            try:
-                self._receiver(name)
-            except TransferError:
-                pass  # logged; op=caps reports why
+        # receivers start on first use: NIXL's agent imports torch (~250 MB, ~2 s) on a server that may never use it
 
     def finalize(self):
         for r in self._receivers.values():
@@ -87,13 +83,7 @@ class TritonPythonModel:
         return r
 
     def _offer(self) -> dict:
-        extras = {}
-        for name in NAMES:
-            try:
-                extras[name] = self._receiver(name).offer()
-            except TransferError:
-                pass  # reported in the offer's "unavailable"
-        offer = local_offer(extras)
+        offer = local_offer({name: r.offer() for name, r in self._receivers.items()})
         for name, why in self._receiver_errors.items():
             offer["transports"].pop(name, None)
             offer["unavailable"][name] = why

@@ -227,8 +227,8 @@ class NixlReceiver(TransportReceiver):
 
 
 def available() -> str:
-    try:
-        import nixl._api  # noqa: F401
-    except Exception as e:
-        return f"nixl is not importable ({type(e).__name__}: {e}); pip install nixl"
-    return ""
+    """Installed? (not imported: nixl imports torch, ~250 MB per process; an agent that then cannot start says
+    why as TransportUnavailable on first use)"""
+    import importlib.util
+
+    return "" if importlib.util.find_spec("nixl") is not None else "nixl is not installed (pip install nixl)"
