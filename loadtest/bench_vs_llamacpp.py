@@ -364,7 +364,9 @@ def main(argv=None):
     ap.add_argument("--base-port", type=int, default=48000)
     ap.add_argument("--decode-precision", default="int8", choices=["int8", "fp32"])
     ap.add_argument("--kv-dtype", default="fp16", choices=["fp32", "fp16", "int8"])
-    ap.add_argument("--transport", default="shm", choices=["grpc", "shm"])
+    from hetserve.kv.transport.registry import NAMES as TRANSPORTS
+
+    ap.add_argument("--transport", default="shm", choices=TRANSPORTS)
     ap.add_argument("--max-batch", type=int, default=16, help="HETSERVE_MAX_BATCH of a started decode server")
     ap.add_argument("--no-metrics", dest="metrics", action="store_false",
                     help="turn hetserve's custom Triton metrics off (HETSERVE_METRICS=0); on by default")

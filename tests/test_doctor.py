@@ -88,13 +88,14 @@ def test_doctor_passes_on_healthy_topology(topology):
     for cid in ("servers/prefill", "servers/decode", "precision/prefill", "precision/decode", "versions/compat_hash",
                 "versions/manifest", "latency/client->prefill", "latency/client->decode",
                 "latency/prefill->decode", "latency/prefill->decode:grpc", "latency/prefill->decode:shm",
-                "link/grpc", "link/shm", "link/refuse_wrong_hash", "link/refuse_corrupted", "kv/pending"):
+                "latency/prefill->decode:nixl", "link/grpc", "link/shm", "link/nixl", "link/refuse_wrong_hash",
+                "link/refuse_corrupted", "kv/pending"):
         assert c[cid].status == "PASS", (cid, c[cid].detail)
     for role in ("prefill", "decode"):
         info = rep.sections["precision"][role]
         assert set(info["precision"]) == set(doctor.PRECISIONS) and info["compat_hash"]
     assert rep.sections["precision"]["decode"]["pending"] == 0
-    for tr in ("grpc", "shm"):
+    for tr in ("grpc", "shm", "nixl"):
         assert c[f"link/{tr}"].data["gbps"] > 0
         rows = [r for r in rep.sections["link"]["rows"] if r["transport"] == tr]
         assert [r["tokens"] for r in rows] == [128, 512] and all(r["mbps"] > 0 for r in rows)

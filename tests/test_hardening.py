@@ -262,7 +262,7 @@ def test_shm_region_private_and_never_a_planted_one(monkeypatch):
 
     import tritonclient.utils.shared_memory as shm
 
-    from hetserve.kv import transport
+    from hetserve.kv.transport import shm as transport
 
     name, key, h = transport.create_private_region(4096)
     try:

@@ -27,7 +27,8 @@ from conftest import scrape, stop_process, total, wait_for
 ROOT = Path(__file__).resolve().parents[1]
 PREFILL_METRICS = ("hetserve_ttft_seconds", "hetserve_tpot_seconds", "hetserve_kv_transfer_bytes_total",
                    "hetserve_kv_transfer_seconds", "hetserve_kv_transfer_bandwidth_bytes_per_second",
-                   "hetserve_kv_transfer_failures_total", "hetserve_kv_prefix_hits_total",
+                   "hetserve_kv_transfer_failures_total", "hetserve_kv_transport_fallbacks_total",
+                   "hetserve_kv_prefix_hits_total",
                    "hetserve_kv_prefix_lookups_total", "hetserve_utilization_ratio", "hetserve_breaker_state",
                    "hetserve_decode_servers")
 DECODE_METRICS = ("hetserve_kv_recompute_total", "hetserve_batch_size", "hetserve_queue_depth",
@@ -52,7 +53,7 @@ def test_custom_metrics_count_real_traffic(topology, prompt_ids, engine_dir):
     before_p, before_d = scrape(pm), scrape(dm)
     prompt = next(iter(prompt_ids.values()))
     n_tok = 8
-    for transport in ("grpc", "shm"):
+    for transport in ("grpc", "shm", "nixl"):
         g = generate(topology.prefill_grpc, None, input_ids=prompt, max_tokens=n_tok, ignore_eos=True,
                      transport=transport, kv_dtype="fp16", timeout_s=60)
         assert len(g.token_ids) == n_tok
@@ -62,7 +63,7 @@ def test_custom_metrics_count_real_traffic(topology, prompt_ids, engine_dir):
     def grown():
         p, d = scrape(pm), scrape(dm)
         ok = (total(p, "hetserve_ttft_seconds_count", model="llm") - total(before_p, "hetserve_ttft_seconds_count",
-                                                                              model="llm") >= 2
+                                                                              model="llm") >= 3
               and total(p, "hetserve_ttft_seconds_count", model="aggregated")
               > total(before_p, "hetserve_ttft_seconds_count", model="aggregated"))
         return (p, d) if ok else None
@@ -77,7 +78,7 @@ def test_custom_metrics_count_real_traffic(topology, prompt_ids, engine_dir):
 
     # KV bytes are exact: fp16 KV of the prompt, once per transport.
     kv_fp16 = len(prompt) * topology_config(engine_dir).kv_bytes_per_token(2)
-    for t in ("grpc", "shm"):
+    for t in ("grpc", "shm", "nixl"):
         delta = total(p, "hetserve_kv_transfer_bytes_total", transport=t) - \
             total(before_p, "hetserve_kv_transfer_bytes_total", transport=t)
         assert delta == kv_fp16, f"{t}: {delta} bytes counted, expected {kv_fp16}"
@@ -89,7 +90,7 @@ def test_custom_metrics_count_real_traffic(topology, prompt_ids, engine_dir):
     assert 0 < dt < 60
     assert total(p, "hetserve_tpot_seconds_count", model="llm") > total(before_p, "hetserve_tpot_seconds_count",
                                                                          model="llm")
-    # Triton's own request counters agree that the decode model served the two streams.
+    # Triton's own request counters agree that the decode model served the streams.
     assert total(d, "nv_inference_request_success", model="decode") >= \
         total(before_d, "nv_inference_request_success", model="decode") + 2
     # Utilization is a ratio and becomes > 0 after work.

@@ -103,6 +103,9 @@ class FakePool:
     def release(self, url):
         self.leases[url] -= 1
 
+    def transport_for(self, url, requested):
+        return requested or "grpc"  # FAKE: every member negotiated every transport
+
     def mark_down(self, url, why):
         self.down.add(url)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hetserve.kv import wire
-from hetserve.kv.transport import RangeAllocator
+from hetserve.kv.transport.shm import RangeAllocator
 from hetserve.sampling import SamplingError, SamplingParams, sample
 
 

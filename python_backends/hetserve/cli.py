@@ -7,6 +7,9 @@ import signal
 import sys
 import time
 
+from .kv.transport.registry import CPU_NAMES as CPU_TRANSPORTS
+from .kv.transport.registry import NAMES as TRANSPORTS
+
 
 def _engine_dir(args) -> str:
     from .engines.builder import default_engine_dir
@@ -218,7 +221,8 @@ def _add_gen(p):
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
-    p.add_argument("--transport", choices=["grpc", "shm"])
+    p.add_argument("--transport", choices=TRANSPORTS, help="KV transport (negotiated with the decode server: an "
+                   "unusable one falls back to grpc, counted in hetserve_kv_transport_fallbacks_total)")
     p.add_argument("--kv-dtype", choices=["fp32", "fp16", "int8"])
     p.add_argument("--decode-precision", choices=["fp32", "int8"])
 
@@ -273,7 +277,7 @@ def main(argv=None) -> int:
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.add_argument("--sizes", type=int, nargs="+", default=[128, 512, 2048], help="link probe sizes (KV tokens)")
     d.add_argument("--repeats", type=int, default=3, help="timed transfers per size and transport")
-    d.add_argument("--transports", nargs="+", choices=["grpc", "shm"], default=["grpc", "shm"])
+    d.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(CPU_TRANSPORTS))
     d.add_argument("--probe-dtype", choices=["fp32", "fp16", "int8"], default="fp16", help="link probe KV dtype")
     d.add_argument("--kv-dtypes", nargs="+", choices=["fp32", "fp16", "int8"], default=["fp32", "fp16", "int8"],
                    help="wire dtypes of the KV correctness set")

@@ -33,6 +33,7 @@ import numpy as np
 
 from .client import admin_parameters
 from .kv import wire
+from .kv.transport.registry import CPU_NAMES as CPU_TRANSPORTS  # link/kv probes by default: grpc, shm, nixl
 
 PROBE_PREFIX = "hetserve-probe/"  # kv_ingest verifies and discards transfers whose request id starts with this
 CHECK_PREFIX = "hetserve-doctor/"  # correctness transfers: normal path into decode's pending KV, taken by op=verify
@@ -404,7 +405,7 @@ class Doctor:
     """Runs the checks against live servers; every network call has a timeout, so a dead server fails fast."""
 
     def __init__(self, prefill_url: str, decode_url: str, link_url: Optional[str] = None,
-                 sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 3, transports: Sequence[str] = ("grpc", "shm"),
+                 sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 3, transports: Sequence[str] = CPU_TRANSPORTS,
                  probe_dtype: str = "fp16", kv_dtypes: Sequence[str] = ("fp32", "fp16", "int8"),
                  prompts: Sequence[str] = DEFAULT_PROMPTS, ping_n: int = 20, timeout_s: float = 10.0,
                  probe_compat_hash: Optional[str] = None, log=None):
@@ -651,7 +652,7 @@ class Doctor:
             status = "FAIL" if not ok else ("WARN" if fell else "PASS")
             self._add("link", tr, status, f"{best['gbps']:.2f} GB/s ({best['mbps']:.0f} MB/s) at "
                       f"{best['tokens']} tokens ({best['bytes'] / 1e6:.1f} MB {self.probe_dtype}), p50 "
-                      f"{best['p50_ms']:.1f} ms" + (f"; fell back to {fell} (shm region too small)" if fell else ""),
+                      f"{best['p50_ms']:.1f} ms" + (f"; fell back to {fell} (staging region full)" if fell else ""),
                       gbps=best["gbps"])
         # safety: decode must refuse a wrong compat hash and a corrupted payload (garbled output otherwise)
         expect = {"wrong_hash": ({"compat_hash": "0" * 32}, "hash mismatch"),

@@ -11,6 +11,11 @@ DecodePool
     the decode server, with a deadline), in parallel across members. Failing the check marks a member down;
     passing it brings it back. A request that fails on a member also marks it down at once (passive check).
   * pick(): the healthy member with the fewest in-flight streams (round-robin among equals), skipping `exclude`.
+  * KV transports: after a member's first passing check (and again after it was down: it may have restarted
+    with another configuration) the pool negotiates the transports the pair can use (kv/transport/negotiate.py:
+    kv_ingest op=caps, same host / same device / RDMA). transport_for(url, requested) returns the requested
+    transport when negotiated, else the baseline (grpc) -- a fallback: on_fallback(requested, used, reason) for
+    the metric, and one log line per member and transport.
 
 CircuitBreaker
   closed -> open when the p99 of recent latencies (TTFT) exceeds the threshold (default 500 ms) over at least
@@ -28,9 +33,11 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .kv.transport.registry import BASELINE as BASELINE_TRANSPORT
 
 log = logging.getLogger("hetserve.reliability")
 
@@ -153,6 +160,8 @@ class Member:
     last_error: str = ""
     canary_ms: float = 0.0
     failures: int = 0
+    transports: Tuple[str, ...] = ()  # negotiated KV transports; () = not negotiated (yet, or since it was down)
+    transport_notes: Optional[Dict[str, str]] = None  # transport -> why this pair cannot use it
 
 
 def _read_registry(path: Optional[str]) -> List[str]:
@@ -230,11 +239,19 @@ def canary_check(url: str, timeout_s: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _negotiate(url: str, timeout_s: float):
+    from .kv.transport.negotiate import negotiate
+
+    return negotiate(url, timeout_s)
+
+
 class DecodePool:
     def __init__(self, urls: Sequence[str], registry: Optional[str] = None, dns: Optional[str] = None,
                  interval_s: float = 5.0, resolver: Optional[Resolver] = None,
                  timeout_s: float = 2.0, check: Callable[[str, float], float] = canary_check,
-                 start: bool = True, on_change: Optional[Callable[[Dict[str, Member]], None]] = None):
+                 start: bool = True, on_change: Optional[Callable[[Dict[str, Member]], None]] = None,
+                 negotiate: Optional[Callable[[str, float], object]] = None, default_transport: str = "grpc",
+                 on_fallback: Optional[Callable[[str, str, str], None]] = None):
         self.static = [u for u in urls if u]
         self.registry = registry
         self.dns = dns
@@ -244,6 +261,10 @@ class DecodePool:
         self.timeout_s = timeout_s
         self.check = check
         self.on_change = on_change
+        self.negotiate = negotiate or _negotiate
+        self.default_transport = default_transport
+        self.on_fallback = on_fallback
+        self._fallback_logged: set = set()  # (url, transport) already logged since the last negotiation
         self.members: Dict[str, Member] = {}
         self._lock = threading.Lock()
         self._rr = 0
@@ -263,7 +284,8 @@ class DecodePool:
         return cls(e("HETSERVE_DECODE_URL", "127.0.0.1:9001").split(","), registry=e("HETSERVE_DECODE_REGISTRY"),
                    dns=e("HETSERVE_DECODE_DNS"),
                    interval_s=float(e("HETSERVE_HEALTH_INTERVAL_S", "5")),
-                   timeout_s=float(e("HETSERVE_HEALTH_TIMEOUT_S", "2")), **kw)
+                   timeout_s=float(e("HETSERVE_HEALTH_TIMEOUT_S", "2")),
+                   default_transport=e("HETSERVE_KV_TRANSPORT", "grpc"), **kw)
 
     def _sync_members(self):
         """Membership = static URLs + registry file + DNS answer, re-read every health round (that is how the
@@ -294,10 +316,11 @@ class DecodePool:
         self._sync_members()
         with self._lock:
             urls = list(self.members)
-        futs = {u: self._exec.submit(self.check, u, self.timeout_s) for u in urls}
+        futs = {u: self._exec.submit(self._check_member, u) for u in urls}
         for u, f in futs.items():
+            nego = None
             try:
-                ms = f.result(timeout=self.timeout_s * 3 + 1)
+                ms, nego = f.result(timeout=self.timeout_s * 4 + 1)
                 ok, err = True, ""
             except Exception as e:  # includes a hung server (deadline exceeded)
                 ms, ok, err = 0.0, False, f"{type(e).__name__}: {e}"[:300]
@@ -309,10 +332,62 @@ class DecodePool:
                     log.warning("decode server %s is %s %s", u, "healthy" if ok else "DOWN", err)
                 m.healthy, m.last_error, m.canary_ms, m.last_check = ok, err, ms, time.time()
                 m.failures = 0 if ok else m.failures + 1
+                if not ok:
+                    m.transports, m.transport_notes = (), None  # renegotiate when it is back
+                elif nego is not None:
+                    m.transports, m.transport_notes = nego
+                    self._fallback_logged = {k for k in self._fallback_logged if k[0] != u}
         snap = self.snapshot()
         if self.on_change:  # every round: membership may have changed through the registry
             self.on_change(snap)
         return snap
+
+    def _check_member(self, url: str):
+        """Health check, then (first time, or after being down) the transport negotiation: (canary ms, None or
+        (transports, notes)). A negotiation that fails leaves the member healthy with the baseline only, and is
+        tried again next round."""
+        ms = self.check(url, self.timeout_s)
+        with self._lock:
+            m = self.members.get(url)
+            # "*" = the last negotiation failed (e.g. kv_ingest not loaded yet): grpc meanwhile, ask again
+            known = m is not None and bool(m.transports) and "*" not in (m.transport_notes or {})
+        if known:
+            return ms, None
+        try:
+            n = self.negotiate(url, self.timeout_s)
+            result = (tuple(n.transports) or (BASELINE_TRANSPORT,), dict(n.reasons))
+        except Exception as e:
+            why = f"transport negotiation failed ({type(e).__name__}: {e})"[:300]
+            log.warning("decode server %s: %s; using %s only", url, why, BASELINE_TRANSPORT)
+            result = ((BASELINE_TRANSPORT,), {"*": why})
+        log.info("decode server %s: KV transports %s", url, ", ".join(result[0]))
+        return ms, result
+
+    def transport_for(self, url: str, requested: Optional[str]) -> str:
+        """The KV transport for a request to `url`: the requested one (or the default) when negotiated with that
+        member, else the baseline, counted through on_fallback and logged once per member and transport. An
+        unknown name is passed through for prefill to refuse with the list of names."""
+        from .kv.transport import NAMES
+
+        want = requested or self.default_transport
+        if want == BASELINE_TRANSPORT or want not in NAMES:
+            return want
+        with self._lock:
+            m = self.members.get(url)
+            ok = m is not None and want in m.transports
+            notes = (m.transport_notes or {}) if m is not None else {}
+            negotiated = m is not None and bool(m.transports)
+        if ok:
+            return want
+        reason = "peer_unsupported" if negotiated else "not_negotiated"
+        if self.on_fallback is not None:
+            self.on_fallback(want, BASELINE_TRANSPORT, reason)
+        if (url, want) not in self._fallback_logged:
+            self._fallback_logged.add((url, want))
+            log.warning("KV transport %s is not usable with decode server %s (%s); its transfers go over %s "
+                        "(counted in hetserve_kv_transport_fallbacks_total)", want, url,
+                        notes.get(want) or notes.get("*") or reason, BASELINE_TRANSPORT)
+        return BASELINE_TRANSPORT
 
     def mark_down(self, url: str, why: str):
         with self._lock:
@@ -321,6 +396,7 @@ class DecodePool:
                 log.warning("decode server %s marked DOWN: %s", url, why)
                 m.healthy, m.last_error = False, why[:300]
                 m.failures += 1
+                m.transports, m.transport_notes = (), None
         if self.on_change:
             self.on_change(self.snapshot())
 

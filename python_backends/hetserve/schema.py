@@ -74,6 +74,8 @@ _INPUTS = [
     Input("kv_header", "STRING", SCALAR, doc="KV wire header (JSON)"),
     Input("kv_payload", "UINT8", LIST, doc="KV wire payload"),
     Input("ingest_token", "STRING", SCALAR, doc="HMAC proving kv_ingest verified the KV"),
+    Input("kv_remote", "STRING", SCALAR,
+          doc="descriptor of KV the receiver pulls (nixl: agent metadata + registered range), instead of kv_payload"),
     Input("output_ids", "INT32", LIST, doc="tokens generated so far (decode: >= 1)"),
     Input("token_ids", "INT32", LIST, doc="the newest token ids (postprocess, fed from llm's output)"),
     Input("precision", "STRING", SCALAR, doc="decode engine precision (decode)"),
@@ -98,7 +100,7 @@ MODELS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
                  "kv_dtype", "skip_transfer", "prefix_cache") + SAMPLING, ()),
     "decode": (("op", "doctor_args", "request_id", "kv_header", "kv_payload", "ingest_token", "input_ids",
                 "output_ids", "precision", "kv_sent") + SAMPLING, ()),
-    "kv_ingest": (("op", "request_id", "kv_header", "kv_payload"), ()),
+    "kv_ingest": (("op", "request_id", "kv_header", "kv_payload", "kv_remote"), ()),
 }
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from .model import Measurements, calibrate, calibrate_links, fit_parameters, link_transfer_s, predict_points
 from .profiles import HARDWARE, MODELS, HardwareProfile, ModelConfig, lookup
 
-TRANSPORT_LINKS = {"grpc": "loopback-grpc", "shm": "loopback-shm"}  # hetserve transport -> planner link
+TRANSPORT_LINKS = {"grpc": "loopback-grpc", "shm": "loopback-shm", "nixl": "loopback-nixl"}  # transport -> link
 TOKEN_RANGE = (256, 32000)  # prompt token ids are drawn from here (ordinary tokens of any >= 32k vocabulary)
 
 
@@ -182,7 +182,7 @@ class Prober:
                 raise MeasureError(f"KV transfer over {transport} failed (see the prefill server log)")
             used = r.as_numpy("transport_used").reshape(-1)[0].decode()
             if used != transport:
-                raise MeasureError(f"KV went over {used}, not {transport} (e.g. shm region full)")
+                raise MeasureError(f"KV went over {used}, not {transport} (e.g. its staging region was full)")
             self._release(rid, ids, int(r.as_numpy("first_token").reshape(-1)[0]))
         return {"round_trip_s": rt, "prefill_s": out["prefill_ms"] / 1e3, "send_s": out["transfer_ms"] / 1e3,
                 "kv_bytes": out["kv_bytes"]}

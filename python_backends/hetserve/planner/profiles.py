@@ -322,6 +322,11 @@ LINKS: dict[str, LinkProfile] = {l.name: l for l in (
     # and socket copies on top of memcpy; fit it with measured transfers (hetserve plan --measure).
     LinkProfile("loopback-grpc", 10.0, 50e-6, efficiency=0.1, per_device=False,
                 hardware=frozenset({"cpu-local"}), tier=1, source="memcpy bandwidth, 2-core host; gRPC copies"),
+    # Same host, NIXL agents over UCX (hetserve's `nixl` transport; UCX picks sm/tcp on loopback): the decode
+    # side READs from the prefill's registered staging buffer, one copy into it on the sender. Measured here at
+    # ~0.8x `shm` (47 MB fp16 KV: 162 vs 204 MB/s on a loaded 2-core box); fit it with --measure-transports.
+    LinkProfile("loopback-nixl", 10.0, 20e-6, efficiency=0.6, per_device=False,
+                hardware=frozenset({"cpu-local"}), tier=1, source="memcpy bandwidth, 2-core host; UCX copies"),
     # Ethernet + kernel TCP: line rate less protocol and copy overhead.
     LinkProfile("tcp-10g", 10 * _GBIT, 50e-6, efficiency=0.7, per_device=False, tier=1,
                 source="10 GbE line rate"),

@@ -53,7 +53,9 @@ class Orchestrator:
             probe = True
             lease[0] = self.pool.pick()
             rid = uuid.uuid4().hex
-            res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, lease[0], req.transport,
+            # the transport negotiated with this member (kv/transport); a fallback is counted + logged by the pool
+            transport = self.pool.transport_for(lease[0], req.transport)
+            res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, lease[0], transport,
                                                   req.kv_dtype))
             self.breaker.record(time.perf_counter() - t0)
             probe = False

@@ -1,14 +1,21 @@
-"""kv_ingest (decode server): verify the KV handshake + checksum, then hand the KV to `decode`'s pool.
+"""kv_ingest (decode server): take KV over any registered transport, verify the handshake + HMAC tag, hand it to
+`decode`'s pool.
 
-Receives what a KVSender sent over gRPC or system shared memory (Triton resolves shm inputs before we run).
-A mismatch (model hash, layout, dtype, shape, size, HMAC tag) is refused with INVALID_ARG and the reason.
-`hetserve doctor` (doctor.py): op=ping answers at once; transfers whose request id starts with
-doctor.PROBE_PREFIX (link probes) are verified the same way and then discarded, never reaching decode.
+The sender names its transport in the request parameter `hetserve_transport` (kv/transport/control.py). In-band
+transports (grpc, shm, cuda_shm) deliver the payload as kv_payload (Triton resolves shm before we run); pulling
+transports (nixl) send a kv_remote descriptor and the receiver READs the payload. Every path ends in the same
+wire.verify. A mismatch (model hash, layout, dtype, shape, size, HMAC tag) or a bad descriptor is refused with
+INVALID_ARG and the reason.
+Ops: ingest (default); caps -> kv_caps JSON, this server's capability offer (kv/transport/negotiate.py);
+ping answers at once (`hetserve doctor`). Transfers whose request id starts with doctor.PROBE_PREFIX (link
+probes) are verified the same way and then discarded, never reaching decode.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
+from typing import Dict
 
 import numpy as np
 
@@ -17,7 +24,9 @@ import triton_python_backend_utils as pb_utils
 from ..doctor import PROBE_PREFIX
 from ..engines.manifest import read_manifest
 from ..kv import wire
-from ..kv.transport import TRANSPORTS
+from ..kv.transport import NAMES, PeerRefused, TransferError, TransportReceiver, TransportUnavailable, spec
+from ..kv.transport.control import TRANSPORT_PARAM
+from ..kv.transport.negotiate import local_offer
 from .common import (RequestError, check_kv_tokens, engine_dir, ingest_token, inp, respond_each, scalar,
                      str_tensor)
 from .metrics import REGISTRY, declare_transfer_failures, transfer_failure_reason
@@ -26,12 +35,14 @@ log = logging.getLogger("hetserve.kv_ingest")
 
 
 def _transport_of(request) -> str:
-    """The sender names its transport in a request parameter (KVSender); 'unknown' for other senders."""
+    """The transport the sender named; 'grpc' for senders that name none (plain tritonclient calls)."""
     try:
-        t = json.loads(request.parameters() or "{}").get("hetserve_transport", "unknown")
-    except Exception:
-        return "unknown"
-    return t if t in TRANSPORTS else "unknown"
+        t = json.loads(request.parameters() or "{}").get(TRANSPORT_PARAM, "grpc")
+    except ValueError:
+        raise RequestError("malformed request parameters") from None
+    if t not in NAMES:
+        raise RequestError(f"unknown KV transport {t!r} in parameter {TRANSPORT_PARAM}; use one of {list(NAMES)}")
+    return t
 
 
 class TritonPythonModel:
@@ -44,32 +55,88 @@ class TritonPythonModel:
         self.shape = (c["num_layers"], c["num_kv_heads"], c["head_dim"])
         self.max_position = c["max_position"]
         self.token = ingest_token()
-        declare_transfer_failures(TRANSPORTS)
+        self.pull_timeout_s = float(os.environ.get("HETSERVE_KV_PULL_TIMEOUT_S", "30"))
+        self._receivers: Dict[str, TransportReceiver] = {}
+        self._receiver_errors: Dict[str, str] = {}  # transport -> why its receiver could not start
+        declare_transfer_failures(NAMES)
+        # receivers start on first use: NIXL's agent imports torch (~250 MB, ~2 s) on a server that may never use it
+
+    def finalize(self):
+        for r in self._receivers.values():
+            r.close()
+
+    def _receiver(self, name: str) -> TransportReceiver:
+        r = self._receivers.get(name)
+        if r is None:
+            if name in self._receiver_errors:
+                raise TransportUnavailable(self._receiver_errors[name])
+            s = spec(name)
+            why = s.available()
+            try:
+                if why:
+                    raise TransportUnavailable(why)
+                r = self._receivers[name] = getattr(s.load(), s.receiver)()
+            except TransferError as e:
+                self._receiver_errors[name] = str(e)
+                log.warning("KV transport %s cannot receive on this server: %s", name, e)
+                raise
+        return r
+
+    def _offer(self) -> dict:
+        offer = local_offer({name: r.offer() for name, r in self._receivers.items()})
+        for name, why in self._receiver_errors.items():
+            offer["transports"].pop(name, None)
+            offer["unavailable"][name] = why
+        return offer
+
+    def _refuse(self, rid: str, transport: str, e: Exception):
+        if not rid.startswith(PROBE_PREFIX):  # a deliberate doctor probe is not a transfer failure
+            REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=transport,
+                         reason=transfer_failure_reason(e))
+        raise RequestError(f"KV refused for request {rid}: {e}") from None
+
+    def _check_pull_size(self, hdr) -> None:
+        """A pulling receiver sizes its buffer from hdr.nbytes: it must be what our engine's shape gives for the
+        header's dtype and token count. If not, verify() against an empty payload raises the header's first
+        mismatch (hash, layout, dtype, shape) or, failing that, the size."""
+        L, H, D = self.shape
+        want = wire.payload_nbytes(hdr.dtype, L, H, hdr.num_tokens, D) if hdr.dtype in wire.DTYPES else -1
+        if hdr.nbytes != want:
+            wire.verify(hdr, np.empty(0, np.uint8), self.compat, self.shape)
+            raise wire.KVWireError(f"KV header size {hdr.nbytes} B != expected {want} B")
 
     def _one(self, r):
         op = scalar(r, "op", "ingest", str)
         if op == "ping":
             return pb_utils.InferenceResponse([pb_utils.Tensor("kv_tokens", np.array([0], np.int32))])
+        if op == "caps":
+            return pb_utils.InferenceResponse([pb_utils.Tensor("kv_tokens", np.array([0], np.int32)),
+                                               str_tensor("kv_caps", [json.dumps(self._offer())])])
         if op != "ingest":
-            raise RequestError(f"unknown op {op!r}; use 'ingest' or 'ping'")
+            raise RequestError(f"unknown op {op!r}; use 'ingest', 'caps' or 'ping'")
         rid = scalar(r, "request_id", None, str)
         if not rid:
             raise RequestError("missing 'request_id'")
+        transport = _transport_of(r)
         raw = inp(r, "kv_header")
+        if raw is None:
+            raise RequestError("missing 'kv_header'")
         payload = inp(r, "kv_payload")
-        if raw is None or payload is None:
-            raise RequestError("missing 'kv_header' or 'kv_payload'")
-        hdr = wire.KVHeader.from_json(bytes(raw.reshape(-1)[0]))
-        payload = np.ascontiguousarray(payload.reshape(-1), dtype=np.uint8)
+        remote = inp(r, "kv_remote")
         try:
-            check_kv_tokens(hdr, self.max_position)
+            hdr = wire.KVHeader.from_json(bytes(raw.reshape(-1)[0]))
+            check_kv_tokens(hdr, self.max_position)  # before any buffer is sized from the header
+            receiver = self._receiver(transport)
+            if receiver.pulls:
+                self._check_pull_size(hdr)
+            payload = receiver.receive(
+                hdr, payload, None if remote is None else bytes(remote.reshape(-1)[0]), self.pull_timeout_s)
             wire.verify(hdr, payload, self.compat, self.shape)
-        except (wire.KVWireError, RequestError) as e:
-            if rid.startswith(PROBE_PREFIX):  # a deliberate doctor probe, not a transfer failure
-                raise RequestError(f"KV refused for request {rid}: {e}") from None
-            REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=_transport_of(r),
-                         reason=transfer_failure_reason(e))
-            raise RequestError(f"KV refused for request {rid}: {e}") from None
+        except (wire.KVWireError, RequestError, PeerRefused) as e:
+            self._refuse(rid, transport, e)
+        except TransferError as e:  # the pull itself failed (timeout, peer gone): the sender sees why
+            REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=transport, reason=transfer_failure_reason(e))
+            raise RequestError(f"KV for request {rid} not received over {transport}: {e}") from None
         if rid.startswith(PROBE_PREFIX):  # link probe: verified, discarded
             return pb_utils.InferenceResponse([pb_utils.Tensor("kv_tokens", np.array([hdr.num_tokens], np.int32))])
         req = pb_utils.InferenceRequest(

@@ -92,7 +92,8 @@ class TritonPythonModel:
         REGISTRY.set("hetserve_breaker_state", 0)
         REGISTRY.declare(TRANSFER_FAILED_METRIC, reason="transfer_failed", transport="grpc")
         breaker = CircuitBreaker.from_env(on_state=lambda st: REGISTRY.set("hetserve_breaker_state", st))
-        self.pool = DecodePool.from_env(on_change=self._pool_metrics)
+        self.pool = DecodePool.from_env(on_change=self._pool_metrics, on_fallback=lambda req, used, why: REGISTRY.inc(
+            "hetserve_kv_transport_fallbacks_total", requested=req, used=used, reason=why))
         self._pool_metrics(self.pool.snapshot())
         self.stage = Orchestrator(
             BlsPrefill(), GrpcDecodeClient(), self.pool, breaker, self.cfg.eos_token_ids,

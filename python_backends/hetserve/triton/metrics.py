@@ -10,6 +10,9 @@ useful, `model`. Names are part of the deployment contract (alerts, Grafana, tes
   hetserve_kv_transfer_seconds     histogram  {transport} wall time of one KV transfer
   hetserve_kv_transfer_bandwidth_bytes_per_second gauge {transport} bytes/s of the last transfer
   hetserve_kv_transfer_failures_total counter {transport, reason} failed sends and refused KV
+  hetserve_kv_transport_fallbacks_total counter {requested, used, reason} transfers sent over another transport
+                                   than requested: staging region full (kv/transport/sender.py, prefill) or
+                                   not negotiated with that decode server (reliability.DecodePool, llm)
   hetserve_kv_recompute_total      counter    {reason} decode recomputed KV (timeout, mismatch, resume,
                                               transfer_failed: prefill said the KV will not come)
   hetserve_kv_transfer_not_ok_total counter   {reason, transport} orchestrator saw transfer_ok=false
@@ -53,6 +56,9 @@ _SPECS = {
     "hetserve_kv_transfer_bandwidth_bytes_per_second": ("gauge", "Bandwidth of the last KV transfer (bytes/s)",
                                                         None),
     "hetserve_kv_transfer_failures_total": ("counter", "KV transfers that failed or were refused", None),
+    "hetserve_kv_transport_fallbacks_total": ("counter", "KV transfers sent over another transport than requested "
+                                                         "(staging full; transport not negotiated with the peer)",
+                                              None),
     "hetserve_kv_recompute_total": ("counter", "Decode-side KV recomputations (receive timeout, refused or "
                                                "missing KV, resume after migration)", None),
     "hetserve_kv_tier_blocks": ("gauge", "KV cache blocks resident per tier", None),

@@ -1,10 +1,13 @@
 """prefill: run the prompt through the prefill engine, sample the first token, push KV to the decode server.
 
-Inputs: input_ids, request_id, decode_url?, transport? (grpc|shm), kv_dtype? (fp32|fp16|int8), skip_transfer?,
+Inputs: input_ids, request_id, decode_url?, transport? (a kv/transport registry name: grpc|shm|nixl|cuda_shm; the
+orchestrator passes the one it negotiated with the decode member), kv_dtype? (fp32|fp16|int8|fp8), skip_transfer?,
 prefix_cache? (default true), sampling params.
 Outputs: first_token, prompt_len, kv_bytes, prefill_ms, transfer_ms, transfer_ok, transport_used, prefix_hit_tokens
 (prompt tokens whose KV came from the prefix cache, kv/prefix.py; HETSERVE_PREFIX_CACHE_MB sizes it, 0 disables).
 A failed transfer is reported (transfer_ok=false), not raised: the decode server then recomputes the prompt.
+A transfer that had to fall back (staging region full -> grpc) says so in transport_used, in
+hetserve_kv_transport_fallbacks_total{requested,used,reason} and in a log line (kv/transport/sender.py).
 
 Batched prefill (prefill_batch.py): execute() only validates and queues; one background thread runs the
 waiting prompts together, under a token budget and chunked (HETSERVE_PREFILL_TOKEN_BUDGET, _CHUNK_TOKENS,
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -28,7 +32,8 @@ import triton_python_backend_utils as pb_utils
 from ..engines.runtime import Engine
 from ..kv import wire
 from ..kv.prefix import PrefixCache
-from ..kv.transport import TRANSPORTS, KVSender
+from ..kv.transport import NAMES as TRANSPORTS
+from ..kv.transport import KVSender, TransferTimeout, TransportUnavailable, spec
 from ..prefill_batch import BatchConfig, PrefillBatcher
 from ..sampling import SamplingParams, sample
 from .common import (PREFILL_HOP, RequestError, check_prompt, classify, engine_dir, error_response, inp,
@@ -55,9 +60,13 @@ class TritonPythonModel:
     def initialize(self, args):
         self.engine = Engine(engine_dir(), os.environ.get("HETSERVE_PREFILL_ENGINE", "prefill_fp32"))
         self.engine.warmup()
-        self.sender = KVSender()
+        self._unavailable = {}  # transport -> why it cannot run here ('' = it can), asked once per transport
+        self.sender = KVSender(on_fallback=self._record_fallback)
         self.default_url = os.environ.get("HETSERVE_DECODE_URL", "127.0.0.1:9001").split(",")[0]
         self.default_transport = os.environ.get("HETSERVE_KV_TRANSPORT", "grpc")
+        if self.default_transport in TRANSPORTS and not self._unavailable_reason(self.default_transport):
+            threading.Thread(target=self.sender.prepare, args=(self.default_transport,), daemon=True,
+                             name="kv-transport-prepare").start()
         self.default_kv_dtype = os.environ.get("HETSERVE_KV_DTYPE", "fp32")
         self.cfg = self.engine.config
         self.prefix = PrefixCache.from_env(seed=self.engine.compat_hash)  # HETSERVE_PREFIX_CACHE_MB
@@ -65,6 +74,9 @@ class TritonPythonModel:
         for t in TRANSPORTS:
             REGISTRY.declare("hetserve_kv_transfer_bytes_total", transport=t)
         declare_transfer_failures(TRANSPORTS)
+        for t in TRANSPORTS:
+            if t != "grpc":
+                REGISTRY.declare("hetserve_kv_transport_fallbacks_total", requested=t, used="grpc", reason="capacity")
         for n in ("hetserve_kv_prefix_hits_total", "hetserve_kv_prefix_lookups_total"):
             REGISTRY.declare(n)
         self.batch_cfg = BatchConfig.from_env()
@@ -84,11 +96,23 @@ class TritonPythonModel:
                 ("hetserve_kv_prefix_hit_tokens_total", {}, st.get("hit_tokens", 0))])
         return out
 
+    @staticmethod
+    def _record_fallback(requested: str, used: str, reason: str):
+        REGISTRY.inc("hetserve_kv_transport_fallbacks_total", requested=requested, used=used, reason=reason)
+
+    def _unavailable_reason(self, transport: str) -> str:
+        why = self._unavailable.get(transport)
+        if why is None:
+            why = self._unavailable[transport] = spec(transport).available()
+        return why
+
     def _record_transfer(self, transport: str, info: dict, exc=None):
         if exc is not None:
-            REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=transport,
-                         reason=transfer_failure_reason(exc))
+            reason = "timeout" if isinstance(exc, TransferTimeout) else \
+                "unavailable" if isinstance(exc, TransportUnavailable) else transfer_failure_reason(exc)
+            REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=transport, reason=reason)
             return
+        transport = info["transport"]  # the one used (grpc after a counted fallback)
         REGISTRY.inc("hetserve_kv_transfer_bytes_total", info["bytes"], transport=transport)
         REGISTRY.observe("hetserve_kv_transfer_seconds", info["seconds"], transport=transport)
         if info["seconds"] > 0:
@@ -131,6 +155,9 @@ class TritonPythonModel:
         transport = scalar(r, "transport", None, str) or self.default_transport
         if transport not in TRANSPORTS:
             raise RequestError(f"unknown transport {transport!r}; use one of {list(TRANSPORTS)}")
+        why = self._unavailable_reason(transport)
+        if why:
+            raise RequestError(f"KV transport {transport!r} cannot run on this prefill server: {why}")
         kv_dtype = scalar(r, "kv_dtype", None, str) or self.default_kv_dtype
         if kv_dtype not in wire.DTYPES:
             raise RequestError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")

@@ -1,0 +1,188 @@
+"""`shm`: same host. The payload is written into a POSIX shm region this process created (private, 0600) and
+registered once per decode server (Triton system shared memory); only (region, offset, size) travels in the
+kv_ingest call and Triton resolves it into the kv_payload tensor before kv_ingest runs."""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import stat
+import threading
+from typing import Dict, List, Optional, Tuple
+
+from .base import CapacityExhausted, InBandReceiver, PeerLostRegistration, TransferError, TransportSender
+from .control import ClientCache, ControlTransfer, ingest_inputs
+
+log = logging.getLogger("hetserve.kv.transport.shm")
+
+SHM_PREFIX = "hetserve_kv_"  # server.SHM_PATTERNS sweeps stale regions by this prefix
+
+
+def _admin_headers() -> Dict[str, str]:
+    from ...server import admin_headers  # shm registration is a restricted Triton API (server.py)
+
+    return admin_headers()
+
+
+def create_private_region(size: int):
+    """A new POSIX shm region under an unpredictable name, created exclusively (never an existing file that a
+    local user planted), mode 0600 and owned by us: (name, key, handle)."""
+    import tritonclient.utils.shared_memory as shm
+
+    for _ in range(4):
+        name = SHM_PREFIX + secrets.token_hex(12)
+        key = "/" + name
+        try:
+            handle = shm.create_shared_memory_region(name, key, size, create_only=True)
+        except Exception as e:  # name taken (astronomically unlikely): try another
+            log.warning("shm region %s could not be created exclusively (%s); trying another name", name, e)
+            continue
+        st = os.stat("/dev/shm" + key)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            shm.destroy_shared_memory_region(handle)
+            raise TransferError(f"shm region {key} is not private to us (uid {st.st_uid}, "
+                                f"mode {oct(stat.S_IMODE(st.st_mode))}); refusing to use it")
+        return name, key, handle
+    raise TransferError("could not create a private shm region for KV transfers")
+
+
+class RangeAllocator:
+    """First-fit byte-range allocator over one staging region (thread-safe). Shared by shm, nixl, cuda_shm."""
+
+    ALIGN = 64
+
+    def __init__(self, size: int):
+        self.size = size
+        self.free: List[Tuple[int, int]] = [(0, size)]
+        self.lock = threading.Lock()
+
+    def alloc(self, n: int) -> Optional[int]:
+        n = (n + self.ALIGN - 1) // self.ALIGN * self.ALIGN
+        with self.lock:
+            for i, (off, sz) in enumerate(self.free):
+                if sz >= n:
+                    if sz == n:
+                        self.free.pop(i)
+                    else:
+                        self.free[i] = (off + n, sz - n)
+                    return off
+        return None
+
+    def release(self, off: int, n: int) -> None:
+        n = (n + self.ALIGN - 1) // self.ALIGN * self.ALIGN
+        with self.lock:
+            self.free.append((off, n))
+            self.free.sort()
+            merged: List[Tuple[int, int]] = []
+            for o, s in self.free:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + s)
+                else:
+                    merged.append((o, s))
+            self.free = merged
+
+    def free_bytes(self) -> int:
+        with self.lock:
+            return sum(s for _, s in self.free)
+
+
+class _Region:
+    def __init__(self, name: str, handle, size: int):
+        self.name, self.handle, self.alloc = name, handle, RangeAllocator(size)
+
+
+class ShmSender(TransportSender):
+    name = "shm"
+
+    def __init__(self, clients: ClientCache, region_bytes: Optional[int] = None):
+        self.clients = clients
+        self.region_bytes = int(region_bytes or os.environ.get("HETSERVE_SHM_BYTES", str(256 << 20)))
+        self._regions: Dict[str, _Region] = {}  # decode url -> our region registered there
+        self._lock = threading.Lock()
+
+    def _region(self, url: str) -> _Region:
+        import tritonclient.utils.shared_memory as shm
+
+        with self._lock:
+            r = self._regions.get(url)
+            if r is not None:
+                return r
+            name, key, handle = create_private_region(self.region_bytes)
+            try:
+                self.clients.get(url).register_system_shared_memory(name, key, self.region_bytes,
+                                                                    headers=_admin_headers())
+            except Exception as e:
+                shm.destroy_shared_memory_region(handle)
+                raise TransferError(f"could not register a shm region with {url}: {e}") from e
+            r = self._regions[url] = _Region(name, handle, self.region_bytes)
+            return r
+
+    def _still_registered(self, url: str, region: _Region) -> bool:
+        """Asked of the peer after a failed call (no error-message matching): does it still know our region?"""
+        try:
+            st = self.clients.get(url).get_system_shared_memory_status(region.name, headers=_admin_headers(),
+                                                                        as_json=True)
+        except Exception:  # unknown region -> NOT_FOUND / INVALID_ARG from Triton; unreachable peer alike
+            return False
+        return bool(st.get("regions"))
+
+    def start(self, url, request_id, hdr, payload, timeout_s):
+        import tritonclient.utils.shared_memory as shm
+
+        region = self._region(url)
+        n = payload.nbytes
+        off = region.alloc.alloc(n)
+        if off is None:
+            raise CapacityExhausted(f"shm region full ({region.alloc.free_bytes()} B free of "
+                                    f"{self.region_bytes}, need {n}; HETSERVE_SHM_BYTES sizes it)")
+        try:
+            shm.set_shared_memory_region(region.handle, [payload], offset=off)
+            ins, p = ingest_inputs(request_id, hdr, n)
+            p.set_shared_memory(region.name, n, offset=off)
+        except Exception:
+            region.alloc.release(off, n)
+            raise
+
+        def classify(err: TransferError) -> TransferError:
+            # Triton answers an unknown region like a bad input: ask it whether it still has ours
+            if not self._still_registered(url, region):
+                return PeerLostRegistration(f"{url} no longer has our shm region {region.name} registered "
+                                            f"(restarted?): {err}")
+            return err
+
+        return ControlTransfer(self.clients.get(url), url, self.name, ins, n, timeout_s,
+                               on_settle=lambda ok: region.alloc.release(off, n), classify=classify)
+
+    def forget(self, url: str) -> None:
+        import tritonclient.utils.shared_memory as shm
+
+        with self._lock:
+            r = self._regions.pop(url, None)
+        if r is not None:
+            try:
+                shm.destroy_shared_memory_region(r.handle)
+            except Exception as e:  # already gone: nothing to free
+                log.debug("destroying shm region %s: %s", r.name, e)
+
+    def close(self) -> None:
+        import tritonclient.utils.shared_memory as shm
+
+        with self._lock:
+            regions, self._regions = dict(self._regions), {}
+        for url, r in regions.items():
+            try:
+                self.clients.get(url).unregister_system_shared_memory(r.name, headers=_admin_headers())
+            except Exception as e:  # peer gone: its registration went with it
+                log.debug("unregistering %s from %s: %s", r.name, url, e)
+            try:
+                shm.destroy_shared_memory_region(r.handle)
+            except Exception as e:
+                log.debug("destroying shm region %s: %s", r.name, e)
+
+
+class ShmReceiver(InBandReceiver):
+    name = "shm"
+
+
+def available() -> str:
+    return "" if os.path.isdir("/dev/shm") else "no /dev/shm on this host"
