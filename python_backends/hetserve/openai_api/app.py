@@ -239,6 +239,11 @@ def create_app(cfg: FrontendConfig) -> FastAPI:
     async def read_json(request: Request):
         n = request.headers.get("content-length")
         if n is not None and n.isdigit() and int(n) > cfg.max_body_bytes:
+            # read (and drop) a moderately oversized body before answering: refusing mid-upload resets the
+            # connection and the client sees ECONNRESET instead of the 413; past 8x the cap just close
+            if int(n) <= 8 * cfg.max_body_bytes:
+                async for _ in request.stream():
+                    pass
             raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes", code="body_too_large")
         buf = bytearray()
         async for part in request.stream():
