@@ -115,7 +115,7 @@ class Background:
         except subprocess.TimeoutExpired:
             os.killpg(self.p.pid, signal.SIGKILL)
             self.p.wait(10)
-            raise AssertionError(f"{self.p.args} ignored SIGTERM for {timeout:.0f}s")
+            raise AssertionError(f"{self.p.args} ignored SIGTERM for {timeout:.0f}s") from None
 
 
 def _ready(url: str, timeout: float = 300):

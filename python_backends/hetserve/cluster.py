@@ -25,12 +25,22 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .server import REPO_ROOT, ServerSpec, TritonProcess, bind_host, check_ports_free
-from .topology import split_cpus
 
 log = logging.getLogger("hetserve.cluster")
 
 
+def split_cpus() -> Dict[str, Optional[List[int]]]:
+    """This host's cores in two halves, prefill and decode: two 'devices' that do not share cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {"prefill": None, "decode": None}
+    half = len(cpus) // 2
+    return {"prefill": cpus[:half], "decode": cpus[half:]}
+
+
 class LocalCluster:
+    """The one local launcher (`hetserve up`, the tests, topology.Topology): prefill server(s) + decode pool."""
+
     def __init__(self, engine_dir: str, base_port: int = 8000, n_decode: int = 1, env: Optional[dict] = None,
                  decode_env: Optional[dict] = None, log_dir: Optional[str] = None, pin: bool = True,
                  run_dir: Optional[str] = None, n_prefill: int = 1, host: Optional[str] = None):
@@ -69,6 +79,10 @@ class LocalCluster:
     @property
     def prefill_grpc(self) -> str:
         return f"127.0.0.1:{self.base_port + 1}"
+
+    @property
+    def prefill_http(self) -> str:
+        return f"127.0.0.1:{self.base_port}"
 
     @property
     def prefill_metrics(self) -> str:

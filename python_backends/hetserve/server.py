@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import shutil
 import signal
 import site
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -257,7 +257,8 @@ def stub_environment(extra: Optional[dict] = None) -> dict:
     # The 2.51 stub does not honour PYTHONPATH for the model's own imports, so hetserve must be pip-installed
     # (scripts/install.sh does `pip install -e .`); the path is still passed for any helper processes.
     paths = [str(PKG_DIR)] + site.getsitepackages() + [site.getusersitepackages()]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + inherited))
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     return env

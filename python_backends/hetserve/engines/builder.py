@@ -22,7 +22,8 @@ INT8_BLOCK = 32
 def quantize_int8(src: Path, dst: Path, scheme=None) -> None:
     """INT8 MatMulNBits decode graph (scheme and its measurements: engines/quantize.py, one place for both
     the standard and the fused graph)."""
-    from .quantize import INT8_SCHEME, quantize_int8 as q8
+    from .quantize import INT8_SCHEME
+    from .quantize import quantize_int8 as q8
 
     q8(src, dst, scheme or INT8_SCHEME)
 
@@ -51,7 +52,7 @@ def gpu_available() -> bool:
 
 
 def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bool] = None,
-                  force: bool = False, log: Callable[[str], None] = None) -> dict:
+                  force: bool = False, log: Optional[Callable[[str], None]] = None) -> dict:
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

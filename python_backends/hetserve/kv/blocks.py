@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -85,7 +85,11 @@ class _SlotTier(Tier):
 
     def __init__(self, name, capacity, block_shape, dtype):
         super().__init__(name, int(capacity), block_shape, dtype)
+        self.capacity: int = int(capacity)
         self._free = list(range(self.capacity - 1, -1, -1))
+
+    def write_tokens(self, slots, offsets, k, v) -> None:
+        raise NotImplementedError  # the arenas (numpy, torch) write token rows into their blocks
 
     def alloc(self, n):
         if n > self.free:  # not len(_free): engine-held blocks are counted as used without a slot
@@ -300,6 +304,7 @@ class BlockPool:
             if t.block_shape != self.block_shape or t.dtype != self.dtype:
                 raise ValueError(f"tier {t.name}: block shape/dtype differ from the pool's")
         self.tiers = tiers
+        self.device = cast(_SlotTier, tiers[0])  # checked above: a slot arena (ArenaTier or TorchArenaTier)
         self._blocks: Dict[int, _Block] = {}
         self._lru: List["collections.OrderedDict[int, None]"] = [collections.OrderedDict() for _ in tiers]
         self._seqs: Dict[Hashable, _Seq] = {}
@@ -566,7 +571,7 @@ class BlockPool:
             k, v = self.read(seq_id)
             own = [self._blocks[bid] for bid in seq.blocks if self._blocks[bid].ref == 1]
             assert all(b.tier == 0 for b in own), "attach of a sequence not on the device tier"
-            self.tiers[0].unback([b.slot for b in own])
+            self.device.unback([b.slot for b in own])
             for b in own:
                 b.slot = ENGINE
             seq.attached = True
@@ -583,7 +588,7 @@ class BlockPool:
             if k.shape != v.shape or not seq.n_tokens <= T <= len(seq.blocks) * self.bt:
                 raise ValueError(f"sequence {seq_id!r}: detach of {T} tokens into {len(seq.blocks)} blocks")
             idx = [i for i, bid in enumerate(seq.blocks) if self._blocks[bid].slot == ENGINE]
-            slots = self.tiers[0].back(len(idx))
+            slots = self.device.back(len(idx))
             self.tiers[0].write(slots, self._to_blocks(k, v, len(seq.blocks))[idx])
             for i, slot in zip(idx, slots):
                 self._blocks[seq.blocks[i]].slot = slot
@@ -640,7 +645,7 @@ class BlockPool:
                 offs.append(off)
                 seqs.append(seq)
             if seqs:
-                self.tiers[0].write_tokens(slots, offs, k, v)
+                self.device.write_tokens(slots, offs, k, v)
             for seq in seqs:
                 seq.n_tokens += 1
 
@@ -722,7 +727,7 @@ class BlockPool:
         b = self._blocks.pop(bid)
         self._lru[b.tier].pop(bid, None)
         if b.slot == ENGINE:
-            self.tiers[b.tier].release_unbacked(1)
+            cast(_SlotTier, self.tiers[b.tier]).release_unbacked(1)
         else:
             self.tiers[b.tier].release([b.slot])
 
@@ -752,7 +757,7 @@ class BlockPool:
 
     def _movable(self, ti: int, limit: int, exclude: set) -> List[int]:
         """Up to `limit` unpinned blocks of tier ti not in exclude, least recently used first."""
-        out = []
+        out: List[int] = []
         if limit <= 0:
             return out
         for bid in self._lru[ti]:
@@ -873,7 +878,7 @@ class BlockPool:
         self._make_room(0, extra, exclude)
         slots = self.tiers[0].alloc(extra)
         if seq.attached:  # the engine holds the KV: count the blocks, keep no slot
-            self.tiers[0].unback(slots)
+            self.device.unback(slots)
         for s in slots:
             bid = self._new_block(0, ENGINE if seq.attached else s)
             self._blocks[bid].pins = 1 if seq.active else 0

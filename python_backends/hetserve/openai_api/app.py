@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
-import signal
 import logging
 import os
+import random
+import signal
 from dataclasses import dataclass
 from typing import AsyncIterator, List, Optional
 
@@ -25,8 +25,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI resolves the handl
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .backend import Delta, TritonLLM
-from .schema import (ApiError, ChatRequest, CompletionRequest, GenRequest, Usage, bad_request, new_id, now,
-                     parse)
+from .schema import ApiError, ChatRequest, CompletionRequest, GenRequest, Usage, bad_request, new_id, now, parse
 
 log = logging.getLogger("hetserve.openai")
 

@@ -5,15 +5,31 @@ search (:func:`plan`) and calibration (:func:`calibrate`), ``measure`` the measu
 and the held-out check of the calibration, ``cli`` the command line.
 """
 from .model import (
-    SLO, Deployment, LengthDist, Measurements, Phase, PlanResult, PlanWarning, Prediction, SearchSpace,
-    Workload, calibrate, calibrate_link, calibrate_links, calibration_report, measurement_predictions, plan,
-    predict, predict_points,
+    SLO,
+    Deployment,
+    LengthDist,
+    Measurements,
+    Phase,
+    PlanResult,
+    PlanWarning,
+    Prediction,
+    SearchSpace,
+    Workload,
+    calibrate,
+    calibrate_link,
+    calibrate_links,
+    calibration_report,
+    measurement_predictions,
+    plan,
+    predict,
+    predict_points,
 )
 from .profiles import HARDWARE, KV_TIERS, LINKS, MODELS, HardwareProfile, KVTier, LinkProfile, ModelConfig
 
 __all__ = [
     "SLO", "Deployment", "LengthDist", "Measurements", "Phase", "PlanResult", "PlanWarning", "Prediction",
     "SearchSpace", "Workload", "calibrate", "calibrate_link", "calibrate_links", "calibration_report",
-    "measurement_predictions", "plan", "predict", "predict_points", "HARDWARE", "KV_TIERS", "LINKS", "MODELS", "HardwareProfile", "KVTier", "LinkProfile",
+    "measurement_predictions", "plan", "predict", "predict_points",
+    "HARDWARE", "KV_TIERS", "LINKS", "MODELS", "HardwareProfile", "KVTier", "LinkProfile",
     "ModelConfig",
 ]

@@ -160,8 +160,7 @@ class Prober:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        from ..client import build_inputs
-        from ..client import admin_parameters
+        from ..client import admin_parameters, build_inputs
 
         ids, rid = self.prompt(n), uuid.uuid4().hex
         ins = build_inputs(None, input_ids=ids, request_id=rid, decode_url=self.decode_url, max_tokens=2,

@@ -36,8 +36,19 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from .profiles import (
-    DTYPE_BYTES, HARDWARE, KV_TIERS, LINKS, MODELS, PRECISION_RANK, PRECISIONS, HardwareProfile,
-    KVTier, LinkProfile, ModelConfig, check_precision, lookup,
+    DTYPE_BYTES,
+    HARDWARE,
+    KV_TIERS,
+    LINKS,
+    MODELS,
+    PRECISION_RANK,
+    PRECISIONS,
+    HardwareProfile,
+    KVTier,
+    LinkProfile,
+    ModelConfig,
+    check_precision,
+    lookup,
 )
 
 MEM_UTIL = 0.9  # fraction of device memory for weights + KV; the rest is activations/workspace
@@ -213,7 +224,8 @@ def tp_efficiency(tp: int) -> float:
     return TP_EFFICIENCY ** math.log2(tp)
 
 
-def roofline(memory_s: Union[float, np.ndarray], compute_s: Union[float, np.ndarray], overlap: float = 1.0) -> np.ndarray:
+def roofline(memory_s: Union[float, np.ndarray], compute_s: Union[float, np.ndarray],
+             overlap: float = 1.0) -> np.ndarray:
     """Time of a pass that moves ``memory_s`` worth of bytes and does ``compute_s`` worth of math:
     ``max + (1 - overlap) * min`` (the roofline at ``overlap = 1``, the sum at 0)."""
     m, c = np.asarray(memory_s, dtype=float), np.asarray(compute_s, dtype=float)
@@ -871,7 +883,8 @@ class Measurements:
         test = dataclasses.replace(
             self, prefill_tokens_per_s=None, decode_step_s_at_batch={}, kv_transfer_gbps=None, ttft_s=None,
             tpot_s=None, **{n: part(in_test, getattr(self, n), b) for n, b in tables.items()},
-            kv_transfer_s={l: {x: s for x, s in pts.items() if x in held_bytes} for l, pts in self.kv_transfer_s.items()})
+            kv_transfer_s={l: {x: s for x, s in pts.items() if x in held_bytes}
+                           for l, pts in self.kv_transfer_s.items()})
         return train, test
 
 
@@ -905,7 +918,8 @@ def calibrate_link(link: LinkProfile, measurements: Measurements, model: Optiona
         fixed = min(fixed, 0.5 * y[0])
         slope = (y[0] - fixed) / x[0]
     slope = max(float(slope), 1e-15)  # transfer time that does not grow with size: a very fast link
-    return dataclasses.replace(link, latency_s=float(fixed) / layers, efficiency=1.0 / (slope * link.gbytes_per_s * 1e9),
+    return dataclasses.replace(link, latency_s=float(fixed) / layers,
+                               efficiency=1.0 / (slope * link.gbytes_per_s * 1e9),
                                source=f"{link.source} (calibrated)".strip())
 
 
