@@ -1,4 +1,4 @@
-"""hetserve command line: build | up | serve | generate | doctor | plan."""
+"""hetserve command line: build | up | serve | generate | doctor | config | plan."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,8 @@ import os
 import signal
 import sys
 import time
+
+from . import config
 
 
 def _engine_dir(args) -> str:
@@ -172,7 +174,7 @@ def cmd_serve(args) -> int:
     env = {}
     if args.decode_url:
         env["HETSERVE_DECODE_URL"] = args.decode_url
-    if not os.environ.get("HETSERVE_ADMIN_KEY"):
+    if not config.get("HETSERVE_ADMIN_KEY"):
         from .server import admin_key, admin_key_file
 
         admin_key()
@@ -216,7 +218,25 @@ def _add_gen(p):
     p.add_argument("--decode-precision", choices=["fp32", "int8"])
 
 
+def cmd_config(args) -> int:
+    """Every HETSERVE_* variable: name, value here (blank: unset), default, doc (config.py defines them)."""
+    rows = config.describe()
+    if args.json:
+        import json
+
+        print(json.dumps([dict(zip(("name", "value", "default", "doc"), r)) for r in rows], indent=1))
+        return 0
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    print(f"{'name':<{w[0]}}  {'value':<{w[1]}}  {'default':<{w[2]}}  doc")
+    for name, value, default, doc in rows:
+        print(f"{name:<{w[0]}}  {value:<{w[1]}}  {default:<{w[2]}}  {doc}")
+    return 1 if any(r[1].startswith("INVALID") for r in rows) else 0
+
+
 def main(argv=None) -> int:
+    from .logs import setup
+
+    setup("cli")
     ap = argparse.ArgumentParser(prog="hetserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="checkpoint -> ONNX -> engines + manifest (cached)")
@@ -275,6 +295,9 @@ def main(argv=None) -> int:
     d.add_argument("--timeout", type=float, default=10.0, help="seconds per network call")
     d.add_argument("--probe-compat-hash", help="send probes claiming this compat hash (decode must refuse them)")
     d.set_defaults(fn=cmd_doctor)
+    c = sub.add_parser("config", help="list every HETSERVE_* variable: value, default, doc")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_config)
     try:
         from .planner import cli as planner_cli
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from . import config
 from .server import REPO_ROOT, ServerSpec, TritonProcess, bind_host, check_ports_free
 
 log = logging.getLogger("hetserve.cluster")
@@ -166,7 +167,7 @@ class LocalCluster:
             p = self.decode.pop(i)
             self._write_registry()
         deadline = time.time() + drain_timeout_s
-        time.sleep(float(self.env.get("HETSERVE_HEALTH_INTERVAL_S", "5")) + 0.5)  # let the pool re-read
+        time.sleep(config.get("HETSERVE_HEALTH_INTERVAL_S", self.env) + 0.5)  # let the pool re-read
         while time.time() < deadline:
             s = scrape_decode(self.decode_metrics(i))
             if s is None or (s["batch"] == 0 and s["queue"] == 0):

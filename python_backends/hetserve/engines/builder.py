@@ -6,12 +6,12 @@ GPU (when `tensorrt` imports and a CUDA device exists): prefill_fp16_trt, decode
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from .. import config
 from ..model.checkpoint import load_checkpoint
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
@@ -37,7 +37,9 @@ def _sha256(path: Path) -> str:
 
 
 def default_engine_dir() -> str:
-    return os.environ.get("HETSERVE_ENGINE_DIR", str(Path.cwd() / ".hetserve" / "engines"))
+    if config.is_set("HETSERVE_ENGINE_DIR"):
+        return config.get("HETSERVE_ENGINE_DIR")
+    return str(Path.cwd() / ".hetserve" / "engines")
 
 
 def gpu_available() -> bool:

@@ -36,6 +36,8 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
+from .. import config
+
 TIER_NAMES = ("device", "host", "disk", "redis")
 ENGINE = -1  # slot of a block whose KV lives in the engine's batch buffer (attached sequence)
 
@@ -360,29 +362,20 @@ class BlockPool:
         HETSERVE_KV_HOST_MB (1024), HETSERVE_KV_DISK_DIR (unset: no disk tier), HETSERVE_KV_DISK_MB (4096),
         HETSERVE_REDIS_URL (unset: no redis tier), HETSERVE_KV_REDIS_MB (unbounded), HETSERVE_KV_REDIS_TTL_S
         (3600), HETSERVE_KV_DEVICE (auto|cpu|cuda[:n])."""
-        env = os.environ if env is None else env
-
-        def num(name, default, conv=float):
-            v = env.get(name) or default  # unset or empty: the default
-            try:
-                return None if v is None else conv(v)
-            except ValueError:
-                raise ValueError(f"{name}={v!r}: expected a number") from None
-
-        def mb(name, default):
-            v = num(name, default)
+        def mb(name):
+            v = config.get(name, env)
             return None if v is None else int(v * (1 << 20))
 
         return cls.create(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                          device_bytes=mb("HETSERVE_KV_BUDGET_MB", "2048"),
-                          block_tokens=num("HETSERVE_KV_BLOCK_TOKENS", "16", int),
-                          host_bytes=mb("HETSERVE_KV_HOST_MB", "1024") or 0,
-                          disk_dir=env.get("HETSERVE_KV_DISK_DIR") or None,
-                          disk_bytes=mb("HETSERVE_KV_DISK_MB", "4096") or 0,
-                          redis_url=env.get("HETSERVE_REDIS_URL") or None,
-                          redis_bytes=mb("HETSERVE_KV_REDIS_MB", None),
-                          redis_ttl_s=num("HETSERVE_KV_REDIS_TTL_S", "3600", int),
-                          device=env.get("HETSERVE_KV_DEVICE", "auto"))
+                          device_bytes=mb("HETSERVE_KV_BUDGET_MB"),
+                          block_tokens=config.get("HETSERVE_KV_BLOCK_TOKENS", env),
+                          host_bytes=mb("HETSERVE_KV_HOST_MB") or 0,
+                          disk_dir=config.get("HETSERVE_KV_DISK_DIR", env) or None,
+                          disk_bytes=mb("HETSERVE_KV_DISK_MB") or 0,
+                          redis_url=config.get("HETSERVE_REDIS_URL", env) or None,
+                          redis_bytes=mb("HETSERVE_KV_REDIS_MB"),
+                          redis_ttl_s=config.get("HETSERVE_KV_REDIS_TTL_S", env),
+                          device=config.get("HETSERVE_KV_DEVICE", env))
 
     def close(self) -> None:
         with self._lock:
