@@ -16,20 +16,9 @@ import math
 import sys
 from typing import Any, Optional, Sequence, TextIO
 
+from .calibration import Measurements, calibrate, calibrate_links, calibration_report
 from .measure import MeasureConfig, MeasureError, holdout_report, measure, render_holdout
-from .model import (
-    SLO,
-    LengthDist,
-    Measurements,
-    PlanResult,
-    Prediction,
-    SearchSpace,
-    Workload,
-    calibrate,
-    calibrate_links,
-    calibration_report,
-    plan,
-)
+from .model import SLO, LengthDist, Prediction, Workload
 from .profiles import (
     HARDWARE,
     KV_TIERS,
@@ -42,6 +31,7 @@ from .profiles import (
     check_precision,
     lookup,
 )
+from .search import PlanResult, SearchSpace, plan
 
 EXIT_FEASIBLE, EXIT_INPUT, EXIT_INFEASIBLE = 0, 1, 2
 
