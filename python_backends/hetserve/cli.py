@@ -73,7 +73,7 @@ def cmd_up(args) -> int:
             return 1
         n = min(max(args.decode_servers, lo), hi)
     topo = LocalCluster(ed, base_port=args.base_port, n_decode=n, env=env, pin=not args.no_pin,
-                        host=bind_host(args.host))
+                        host=bind_host(args.host), static_decode=not (args.decode_servers > 1 or args.autoscale))
     print(f"starting {n} decode server(s) (gRPC {', '.join(topo.decode_grpc(i) for i in range(n))}) and the "
           f"prefill server (gRPC {topo.prefill_grpc}, HTTP {topo.prefill_http}) ...", file=sys.stderr)
     if not _start(topo):

@@ -44,8 +44,13 @@ class LocalCluster:
 
     def __init__(self, engine_dir: str, base_port: int = 8000, n_decode: int = 1, env: Optional[dict] = None,
                  decode_env: Optional[dict] = None, log_dir: Optional[str] = None, pin: bool = True,
-                 run_dir: Optional[str] = None, n_prefill: int = 1, host: Optional[str] = None):
+                 run_dir: Optional[str] = None, n_prefill: int = 1, host: Optional[str] = None,
+                 static_decode: bool = False):
         self.engine_dir = engine_dir
+        # one fixed decode server: the prefill server also gets decode 0 as its HETSERVE_DECODE_URL (unless env
+        # sets one), so direct prefill calls without a decode_url (doctor, tests) go there; a pool (False)
+        # is the registry alone, so a drained server leaves it
+        self.static_decode = static_decode
         self.host = host or bind_host()
         self.base_port = base_port
         self.n_initial = n_decode
@@ -116,7 +121,10 @@ class LocalCluster:
 
     def _prefill_spec(self, j: int) -> ServerSpec:
         b = self.base_port + 10 * j
-        env = {**self.env, "HETSERVE_DECODE_URL": "", "HETSERVE_DECODE_REGISTRY": self.registry}
+        static = {"HETSERVE_DECODE_URL": self.decode_grpc(0)} if self.static_decode else {}
+        env = {**static, **self.env, "HETSERVE_DECODE_REGISTRY": self.registry}
+        if not self.static_decode:
+            env["HETSERVE_DECODE_URL"] = ""
         return ServerSpec("prefill", b, b + 1, b + 2, self.engine_dir, cpus=self.cpus["prefill"], env=env,
                           host=self.host, log_file=str(Path(self.log_dir) / f"prefill-cluster-{b}.log"))
 

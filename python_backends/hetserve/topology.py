@@ -16,7 +16,7 @@ class Topology:
     def __init__(self, engine_dir: str, base_port: int = 8000, log_dir: Optional[str] = None,
                  env: Optional[dict] = None, pin: bool = True, host: Optional[str] = None):
         self.cluster = LocalCluster(engine_dir, base_port=base_port, n_decode=1, env=env, log_dir=log_dir,
-                                    pin=pin, host=host)
+                                    pin=pin, host=host, static_decode=True)
 
     @property
     def engine_dir(self) -> str:
