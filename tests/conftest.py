@@ -85,7 +85,8 @@ def topology(engine_dir):
     import tempfile
 
     snaps = tempfile.mkdtemp(prefix="hetserve-snapshots-")
-    topo = Topology(engine_dir, base_port=base, env={"HETSERVE_KV_TIMEOUT_MS": "100", "HETSERVE_BREAKER_P99_MS": "60000",
+    topo = Topology(engine_dir, base_port=base, env={"HETSERVE_KV_TIMEOUT_MS": "100",
+                                                     "HETSERVE_BREAKER_P99_MS": "60000",
                                                      "HETSERVE_SNAPSHOT_DIR": snaps})
     topo.start()
     yield topo

@@ -15,9 +15,8 @@ import uuid
 import numpy as np
 import pytest
 
-from hetserve.prefill_batch import BatchConfig, PrefillBatcher, PrefillJob, batch_inputs, plan_batch
-
 from conftest import PROMPTS, scrape, total
+from hetserve.prefill_batch import BatchConfig, PrefillBatcher, PrefillJob, batch_inputs, plan_batch
 
 
 def jobs(*lens, done=0):
@@ -181,6 +180,7 @@ def test_batched_chunked_prefill_equals_sequential(engine, prompt_ids):
     for (lo, k, v), j in zip(seq, done):
         np.testing.assert_allclose(j.logits, lo, rtol=0, atol=1e-4)
         np.testing.assert_allclose(j.k, k, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(j.v, v, rtol=0, atol=1e-5)  # V too (B007 found it unchecked)
     b.close()
 
 

@@ -683,7 +683,8 @@ def test_plot_renders_png(tmp_path):
                 "start_time": 1_700_000_000 + i * 0.25, "user": "U", "protocol": "grpc" if i % 2 else "http",
                 "scenario": "mixed", "prompt_kind": "short" if i % 3 else "long", "prompt_chars": 40 + i,
                 "max_tokens": 32, "n_tokens": 32 if ok else 0, "n_responses": 33,
-                "ttft_s": f"{0.03 + (i % 7) * 0.01:.4f}" if ok else "", "tpot_s": f"{0.005 + (i % 5) * 0.001:.4f}" if ok else "",
+                "ttft_s": f"{0.03 + (i % 7) * 0.01:.4f}" if ok else "",
+                "tpot_s": f"{0.005 + (i % 5) * 0.001:.4f}" if ok else "",
                 "e2e_s": f"{0.2 + (i % 9) * 0.02:.4f}", "ok": int(ok), "error": "" if ok else "boom",
             })
     prefix = tmp_path / "locust"

@@ -6,9 +6,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from hetserve.client import GenerationError, generate
-
 from conftest import PROMPTS
+from hetserve.client import GenerationError, generate
 
 N = 32
 

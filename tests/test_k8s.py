@@ -17,7 +17,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -373,7 +372,8 @@ def test_configmaps_secrets_volumes_and_env_resolve(rendered, overlay):
                     secret_keys.setdefault(ref["secretKeyRef"]["name"], set()).add(ref["secretKeyRef"]["key"])
                 if "resourceFieldRef" in ref:
                     r = ref["resourceFieldRef"]
-                    assert r["containerName"] == c["name"] and r["resource"].split(".", 1)[1] in c["resources"]["limits"]
+                    assert r["containerName"] == c["name"]
+                    assert r["resource"].split(".", 1)[1] in c["resources"]["limits"]
             for s in [*env.values(), *c.get("args", []), *c.get("command", [])]:
                 left = re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", expand(s, env))
                 assert not left, f"{name}/{c['name']}: $({left[0]}) is not defined before use"
@@ -435,7 +435,7 @@ def test_ports_match_the_triton_flags_and_the_orchestrator_finds_decode(rendered
         (job_c,) = by_kind(docs, "Job")[f"hetserve-build-{role}"]["spec"]["template"]["spec"]["containers"]
         jenv = env_map(docs, job_c)
         out = re.search(r'--engine-dir "([^"]+)"', job_c["args"][0]).group(1)
-        out = re.sub(r"\$\{(\w+)\}", lambda m: jenv[m.group(1)], out)
+        out = re.sub(r"\$\{(\w+)\}", lambda m, jenv=jenv: jenv[m.group(1)], out)
         assert out == a.engine_dir, (role, out, a.engine_dir)
         engine_dirs[role] = out
     # the orchestrator's pool: the headless Service's name and gRPC port, nothing static
@@ -444,7 +444,8 @@ def test_ports_match_the_triton_flags_and_the_orchestrator_finds_decode(rendered
     host, port = penv["HETSERVE_DECODE_DNS"].rsplit(":", 1)
     dsvc = svcs[host]
     assert dsvc["spec"]["clusterIP"] == "None" and not dsvc["spec"].get("publishNotReadyAddresses")
-    assert int(port) == int(flags["decode"]["grpc-port"]) == {p["name"]: p["port"] for p in dsvc["spec"]["ports"]}["grpc"]
+    svc_ports = {p["name"]: p["port"] for p in dsvc["spec"]["ports"]}
+    assert int(port) == int(flags["decode"]["grpc-port"]) == svc_ports["grpc"]
     assert penv["HETSERVE_DECODE_URL"] == ""
     assert penv["HETSERVE_KV_TRANSPORT"] == "grpc", "pods on different nodes share no /dev/shm"
     # no admin surface through a Service: decode's HTTP port is not published; client Services only

@@ -2,11 +2,13 @@
 pressure and promotion back, refcounts, and the decode scheduler preempting + resuming with unchanged tokens."""
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hetserve.kv.blocks import ArenaTier, BlockPool, KVLost, PoolFull, TorchArenaTier
+from hetserve.kv.blocks import BlockPool, KVLost, PoolFull
+from hetserve.kv.tiers import ArenaTier, TorchArenaTier
 from hetserve.sampling import SamplingParams
 
 L, H, D, BT = 3, 2, 8, 4  # small layout for the pool unit tests
@@ -401,5 +403,5 @@ def test_e2e_tiny_kv_budget_preempts_with_unchanged_tokens(engine_dir, tmp_path)
             together = dict(zip(prompts, ex.map(gen, prompts)))
     assert all(len(t) == 48 for t in alone.values())
     assert together == alone
-    log = (tmp_path / f"decode-{base}.log").read_text(errors="replace")
+    log = Path(topo.servers["decode"].spec.log_file).read_text(errors="replace")
     assert "preempted" in log, "the tiny budget should have forced a preemption"

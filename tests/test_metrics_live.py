@@ -18,11 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import scrape, stop_process, total, wait_for
 from hetserve.client import generate
 from hetserve.kv import wire
 from hetserve.kv.transport import KVSender, TransferError
-
-from conftest import scrape, stop_process, total, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFILL_METRICS = ("hetserve_ttft_seconds", "hetserve_tpot_seconds", "hetserve_kv_transfer_bytes_total",

@@ -361,7 +361,7 @@ def test_shipped_nginx_allow_list_in_front_of_real_servers(topology, frontend, t
                                                 max_tokens=8, temperature=0, stream=True))
         assert "Paris" in "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
         hc = httpclient.InferenceServerClient(f"127.0.0.1:{b + 80}")
-        with pytest.raises(Exception):
+        with pytest.raises(InferenceServerException):
             hc.get_model_repository_index()  # not an OpenAI route: 403
     finally:
         stop_process(proc)

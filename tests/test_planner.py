@@ -11,17 +11,40 @@ import numpy as np
 import pytest
 
 from hetserve.planner import cli
+from hetserve.planner.calibration import (
+    Measurements,
+    calibrate,
+    calibrate_link,
+    link_transfer_s,
+    measurement_predictions,
+    predict_points,
+)
 from hetserve.planner.measure import (
-    default_holdout, holdout_report, max_holdout_error, median_rse, overlap_tpot, render_holdout,
+    default_holdout,
+    holdout_report,
+    max_holdout_error,
+    median_rse,
+    overlap_tpot,
+    render_holdout,
 )
 from hetserve.planner.model import (
-    SLO, Deployment, LengthDist, Measurements, Phase, PhaseCost, SearchSpace, StepCost, Workload,
-    calibrate, calibrate_link, default_kv_dtype, fewest_instances, kv_transfer, link_transfer_s,
-    measurement_predictions, mg1_wait, plan, predict, predict_points, quantile_points, roofline,
+    SLO,
+    Deployment,
+    LengthDist,
+    Phase,
+    PhaseCost,
+    StepCost,
+    Workload,
+    default_kv_dtype,
+    fewest_instances,
+    kv_transfer,
+    mg1_wait,
+    predict,
+    quantile_points,
+    roofline,
 )
-from hetserve.planner.profiles import (
-    HARDWARE, KV_TIERS, LINKS, MODELS, PRECISIONS, HardwareProfile, ModelConfig,
-)
+from hetserve.planner.profiles import HARDWARE, KV_TIERS, LINKS, MODELS, PRECISIONS, HardwareProfile, ModelConfig
+from hetserve.planner.search import SearchSpace, plan
 
 GiB = 2 ** 30
 DEVICE = KV_TIERS["device"]

@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 
 from hetserve.planner import cli
-from hetserve.planner.measure import (
-    MeasureConfig, holdout_report, max_holdout_error, measure, render_holdout,
-)
+from hetserve.planner.measure import MeasureConfig, holdout_report, max_holdout_error, measure, render_holdout
 
 TOLERANCE = 0.20  # |predicted / measured - 1| on every held-out TTFT and TPOT point
 

@@ -65,7 +65,8 @@ def argv(line: str, base: int = UP) -> list:
 
 
 KINDS = ["bash run.sh", "bash .ci/run", "hetserve build", "hetserve up", "hetserve generate",
-         "hetserve serve --role openai", "hetserve serve --role", "hetserve plan", "hetserve doctor", "curl",
+         "hetserve serve --role openai", "hetserve serve --role", "hetserve plan", "hetserve doctor",
+         "hetserve config", "curl",
          "python"]
 
 
@@ -115,7 +116,7 @@ class Background:
         except subprocess.TimeoutExpired:
             os.killpg(self.p.pid, signal.SIGKILL)
             self.p.wait(10)
-            raise AssertionError(f"{self.p.args} ignored SIGTERM for {timeout:.0f}s")
+            raise AssertionError(f"{self.p.args} ignored SIGTERM for {timeout:.0f}s") from None
 
 
 def _ready(url: str, timeout: float = 300):
@@ -165,6 +166,8 @@ def test_readme_commands_run(engine_dir):
     for c in by.get("hetserve plan", []):
         r = run(hetserve(argv(c)), timeout=300)
         assert "SLO" in r.stdout or "SLO" in r.stderr, r.stdout[-2000:]
+    for c in by.get("hetserve config", []):
+        assert "HETSERVE_MAX_BATCH" in run(hetserve(argv(c)), timeout=60).stdout
 
     # the servers: README's `hetserve up`, with this test's ports and a short answer
     (up_line,) = by["hetserve up"]

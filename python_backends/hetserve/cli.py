@@ -1,4 +1,4 @@
-"""hetserve command line: build | up | serve | generate | doctor | plan."""
+"""hetserve command line: build | up | serve | generate | doctor | config | plan."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 
+from . import config
 from .kv.transport.registry import CPU_NAMES as CPU_TRANSPORTS
 from .kv.transport.registry import NAMES as TRANSPORTS
 
@@ -54,17 +55,16 @@ def _gen_params(args) -> dict:
 def cmd_up(args) -> int:
     import threading
 
+    from .cluster import Autoscaler, LocalCluster, ScalePolicy
     from .engines.builder import build_engines
     from .server import REPO_ROOT, bind_host
-    from .topology import Topology
 
     ed = _engine_dir(args)
     build_engines(args.checkpoint, ed)
     env = {"HETSERVE_SNAPSHOT_DIR": args.snapshot_dir or str(REPO_ROOT / ".hetserve" / "snapshots")}
     scaler = stop_scaler = None
+    lo = hi = n = 1
     if args.decode_servers > 1 or args.autoscale:
-        from .cluster import Autoscaler, LocalCluster, ScalePolicy
-
         spec = args.autoscale or f"{args.decode_servers}:{args.decode_servers}"
         try:
             lo, hi = (int(x) for x in spec.split(":"))
@@ -74,23 +74,17 @@ def cmd_up(args) -> int:
             print(f"hetserve up: --autoscale must be MIN:MAX with 1 <= MIN <= MAX, got {spec!r}", file=sys.stderr)
             return 1
         n = min(max(args.decode_servers, lo), hi)
-        topo = LocalCluster(ed, base_port=args.base_port, n_decode=n, env=env, pin=not args.no_pin,
-                            host=bind_host(args.host))
-        print(f"starting {n} decode server(s) (gRPC {', '.join(topo.decode_grpc(i) for i in range(n))}) and the "
-              f"prefill server (gRPC {topo.prefill_grpc}) ...", file=sys.stderr)
-        if not _start(topo):
-            return 1
-        if args.autoscale:
-            scaler = Autoscaler(topo, ScalePolicy(min_n=lo, max_n=hi))
-            stop_scaler = threading.Event()
-            threading.Thread(target=scaler.run, args=(stop_scaler,), daemon=True).start()
-            print(f"autoscaling decode servers between {lo} and {hi}", file=sys.stderr)
-    else:
-        topo = Topology(ed, base_port=args.base_port, pin=not args.no_pin, env=env, host=bind_host(args.host))
-        print(f"starting decode server (gRPC {topo.decode_grpc}) and prefill server (gRPC {topo.prefill_grpc}, "
-              f"HTTP {topo.prefill_http}) ...", file=sys.stderr)
-        if not _start(topo):
-            return 1
+    topo = LocalCluster(ed, base_port=args.base_port, n_decode=n, env=env, pin=not args.no_pin,
+                        host=bind_host(args.host), static_decode=not (args.decode_servers > 1 or args.autoscale))
+    print(f"starting {n} decode server(s) (gRPC {', '.join(topo.decode_grpc(i) for i in range(n))}) and the "
+          f"prefill server (gRPC {topo.prefill_grpc}, HTTP {topo.prefill_http}) ...", file=sys.stderr)
+    if not _start(topo):
+        return 1
+    if args.autoscale:
+        scaler = Autoscaler(topo, ScalePolicy(min_n=lo, max_n=hi))
+        stop_scaler = threading.Event()
+        threading.Thread(target=scaler.run, args=(stop_scaler,), daemon=True).start()
+        print(f"autoscaling decode servers between {lo} and {hi}", file=sys.stderr)
     print("servers ready", file=sys.stderr)
     rc = 0
     fe = None
@@ -106,7 +100,7 @@ def cmd_up(args) -> int:
             return rc
         print(f"serving; try: hetserve generate --url {topo.prefill_grpc} \"Hello\"   (Ctrl-C stops)",
               file=sys.stderr)
-        rc = _supervise(lambda: topo.processes() + ([fe] if fe else []), getattr(topo, "restart_if_decode", None))
+        rc = _supervise(lambda: topo.processes() + ([fe] if fe else []), topo.restart_if_decode)
     except KeyboardInterrupt:
         pass
     finally:
@@ -168,7 +162,7 @@ def _supervise(processes, restart=None) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .server import ServerError, ServerSpec, TritonProcess, bind_host
+    from .server import ServerError, ServerSpec, TritonProcess, bind_host, default_model_repository
 
     if args.role == "openai":
         from .openai_api import FrontendConfig, serve
@@ -182,7 +176,7 @@ def cmd_serve(args) -> int:
     env = {}
     if args.decode_url:
         env["HETSERVE_DECODE_URL"] = args.decode_url
-    if not os.environ.get("HETSERVE_ADMIN_KEY"):
+    if not config.get("HETSERVE_ADMIN_KEY"):
         from .server import admin_key, admin_key_file
 
         admin_key()
@@ -190,8 +184,8 @@ def cmd_serve(args) -> int:
               f"{admin_key_file()} (set the same HETSERVE_ADMIN_KEY on prefill and decode servers on other hosts)",
               file=sys.stderr)
     spec = ServerSpec(args.role, args.http_port, args.grpc_port, args.metrics_port, _engine_dir(args),
-                      model_repository=args.model_repository or ServerSpec.__dataclass_fields__[
-                          "model_repository"].default_factory(), env=env, host=bind_host(args.host))
+                      model_repository=args.model_repository or default_model_repository(), env=env,
+                      host=bind_host(args.host))
     try:
         p = TritonProcess(spec).start()
     except ServerError as e:
@@ -227,7 +221,25 @@ def _add_gen(p):
     p.add_argument("--decode-precision", choices=["fp32", "int8"])
 
 
+def cmd_config(args) -> int:
+    """Every HETSERVE_* variable: name, value here (blank: unset), default, doc (config.py defines them)."""
+    rows = config.describe()
+    if args.json:
+        import json
+
+        print(json.dumps([dict(zip(("name", "value", "default", "doc"), r)) for r in rows], indent=1))
+        return 0
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    print(f"{'name':<{w[0]}}  {'value':<{w[1]}}  {'default':<{w[2]}}  doc")
+    for name, value, default, doc in rows:
+        print(f"{name:<{w[0]}}  {value:<{w[1]}}  {default:<{w[2]}}  {doc}")
+    return 1 if any(r[1].startswith("INVALID") for r in rows) else 0
+
+
 def main(argv=None) -> int:
+    from .logs import setup
+
+    setup("cli")
     ap = argparse.ArgumentParser(prog="hetserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="checkpoint -> ONNX -> engines + manifest (cached)")
@@ -286,6 +298,9 @@ def main(argv=None) -> int:
     d.add_argument("--timeout", type=float, default=10.0, help="seconds per network call")
     d.add_argument("--probe-compat-hash", help="send probes claiming this compat hash (decode must refuse them)")
     d.set_defaults(fn=cmd_doctor)
+    c = sub.add_parser("config", help="list every HETSERVE_* variable: value, default, doc")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_config)
     try:
         from .planner import cli as planner_cli
 

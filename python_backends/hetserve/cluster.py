@@ -24,17 +24,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from . import config
 from .server import REPO_ROOT, ServerSpec, TritonProcess, bind_host, check_ports_free
-from .topology import split_cpus
 
 log = logging.getLogger("hetserve.cluster")
 
 
+def split_cpus() -> Dict[str, Optional[List[int]]]:
+    """This host's cores in two halves, prefill and decode: two 'devices' that do not share cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {"prefill": None, "decode": None}
+    half = len(cpus) // 2
+    return {"prefill": cpus[:half], "decode": cpus[half:]}
+
+
 class LocalCluster:
+    """The one local launcher (`hetserve up`, the tests, topology.Topology): prefill server(s) + decode pool."""
+
     def __init__(self, engine_dir: str, base_port: int = 8000, n_decode: int = 1, env: Optional[dict] = None,
                  decode_env: Optional[dict] = None, log_dir: Optional[str] = None, pin: bool = True,
-                 run_dir: Optional[str] = None, n_prefill: int = 1, host: Optional[str] = None):
+                 run_dir: Optional[str] = None, n_prefill: int = 1, host: Optional[str] = None,
+                 static_decode: bool = False):
         self.engine_dir = engine_dir
+        # one fixed decode server: the prefill server also gets decode 0 as its HETSERVE_DECODE_URL (unless env
+        # sets one), so direct prefill calls without a decode_url (doctor, tests) go there; a pool (False)
+        # is the registry alone, so a drained server leaves it
+        self.static_decode = static_decode
         self.host = host or bind_host()
         self.base_port = base_port
         self.n_initial = n_decode
@@ -71,6 +87,10 @@ class LocalCluster:
         return f"127.0.0.1:{self.base_port + 1}"
 
     @property
+    def prefill_http(self) -> str:
+        return f"127.0.0.1:{self.base_port}"
+
+    @property
     def prefill_metrics(self) -> str:
         return f"127.0.0.1:{self.base_port + 2}"
 
@@ -101,7 +121,10 @@ class LocalCluster:
 
     def _prefill_spec(self, j: int) -> ServerSpec:
         b = self.base_port + 10 * j
-        env = {**self.env, "HETSERVE_DECODE_URL": "", "HETSERVE_DECODE_REGISTRY": self.registry}
+        static = {"HETSERVE_DECODE_URL": self.decode_grpc(0)} if self.static_decode else {}
+        env = {**static, **self.env, "HETSERVE_DECODE_REGISTRY": self.registry}
+        if not self.static_decode:
+            env["HETSERVE_DECODE_URL"] = ""
         return ServerSpec("prefill", b, b + 1, b + 2, self.engine_dir, cpus=self.cpus["prefill"], env=env,
                           host=self.host, log_file=str(Path(self.log_dir) / f"prefill-cluster-{b}.log"))
 
@@ -152,7 +175,7 @@ class LocalCluster:
             p = self.decode.pop(i)
             self._write_registry()
         deadline = time.time() + drain_timeout_s
-        time.sleep(float(self.env.get("HETSERVE_HEALTH_INTERVAL_S", "5")) + 0.5)  # let the pool re-read
+        time.sleep(config.get("HETSERVE_HEALTH_INTERVAL_S", self.env) + 0.5)  # let the pool re-read
         while time.time() < deadline:
             s = scrape_decode(self.decode_metrics(i))
             if s is None or (s["batch"] == 0 and s["queue"] == 0):

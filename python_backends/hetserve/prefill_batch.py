@@ -18,11 +18,12 @@ right-padded past KV [rows, L, KVH, P, D]. Compute is rows x width (padding incl
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
+
+from . import config
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,7 @@ class BatchConfig:
 
     @classmethod
     def from_env(cls, env=None) -> "BatchConfig":
-        env = os.environ if env is None else env
-        kw = {}
-        for name, var in cls.ENV.items():
-            raw = env.get(var)
-            if raw is None or raw == "":
-                continue
-            try:
-                kw[name] = int(raw)
-            except ValueError:
-                raise ValueError(f"{var}={raw!r} is not an integer") from None
+        kw = {name: config.get(var, env) for name, var in cls.ENV.items() if config.is_set(var, env)}
         if "token_budget" in kw and "chunk_tokens" not in kw:  # a smaller budget implies smaller chunks
             kw["chunk_tokens"] = min(cls.chunk_tokens, kw["token_budget"])
         return cls(**kw)

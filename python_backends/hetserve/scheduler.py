@@ -8,7 +8,8 @@ each step's K/V there in place). A retiring sequence's row is refilled by the la
 The KV memory budget is a paged block pool (kv/blocks.py): waiting sequences' KV lives in pool blocks anywhere
 in the tier stack; a running sequence is *attached* (its blocks stay counted and pinned on the device tier,
 but hold no data: the batch row is the KV). It is copied back into blocks only when it is preempted; snapshots
-read the batch rows. A sequence is admitted when the device tier can hold its KV plus one block of headroom. When a running sequence needs a new block and the
+read the batch rows. A sequence is admitted when the device tier can hold its KV plus one block of headroom.
+When a running sequence needs a new block and the
 device tier is full, the lowest-priority, newest running sequence is preempted: its blocks are swapped down a
 tier and it resumes (bit-exact, so greedy output is unchanged) when blocks free up. Without a lower tier to
 swap to, or if a tier lost the blocks, the KV is recomputed from `prompt_ids` on resume.

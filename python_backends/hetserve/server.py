@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import shutil
 import signal
 import site
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -23,6 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from . import config
 
 log = logging.getLogger("hetserve.server")
 
@@ -52,7 +54,7 @@ RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 
 def bind_host(host: Optional[str] = None) -> str:
     """The address every port binds: loopback unless asked (--host / HETSERVE_BIND); warns when exposed."""
-    h = host or os.environ.get("HETSERVE_BIND") or LOOPBACK
+    h = host or config.get("HETSERVE_BIND") or LOOPBACK
     if h not in (LOOPBACK, "localhost", "::1"):
         log.warning("binding %s: Triton ports are reachable beyond this host (admin APIs stay key-protected)", h)
     return h
@@ -62,14 +64,14 @@ ADMIN_PARAM = "hetserve_admin_key"  # the request parameter that carries the adm
 
 
 def admin_key_file() -> Path:
-    return Path(os.environ.get("HETSERVE_ADMIN_KEY_FILE") or REPO_ROOT / ".hetserve" / "run" / "admin-key")
+    return Path(config.get("HETSERVE_ADMIN_KEY_FILE") or REPO_ROOT / ".hetserve" / "run" / "admin-key")
 
 
 def admin_key() -> str:
     """The deployment's admin key: HETSERVE_ADMIN_KEY; else the local key file (mode 0600, made once with a random
     key), so `hetserve up` and the local tools (`hetserve doctor`) agree without a secret on the command line.
     Exported to this process's environment, so the servers it starts (and their KV sender) share it."""
-    k = os.environ.get("HETSERVE_ADMIN_KEY")
+    k = config.get("HETSERVE_ADMIN_KEY")
     if k:
         return k
     f = admin_key_file()
@@ -212,7 +214,7 @@ def pytriton_dir() -> Path:
 
 
 def tritonserver_binary() -> str:
-    env = os.environ.get("HETSERVE_TRITONSERVER")
+    env = config.get("HETSERVE_TRITONSERVER")
     if env:
         return env
     b = pytriton_dir() / "bin" / "tritonserver"
@@ -225,13 +227,13 @@ def tritonserver_binary() -> str:
 
 
 def default_model_repository() -> str:
-    return os.environ.get("HETSERVE_MODEL_REPOSITORY", str(REPO_ROOT / "model_repository"))
+    return config.get("HETSERVE_MODEL_REPOSITORY") or str(REPO_ROOT / "model_repository")
 
 
 def prepare_backend_dir(dest: Optional[Path] = None) -> Path:
     """Our own backend dir: the python backend + the 3.x stub copied next to it (never into site-packages)."""
     src = pytriton_dir()
-    dest = Path(dest or os.environ.get("HETSERVE_BACKEND_DIR", REPO_ROOT / ".hetserve" / "backends"))
+    dest = Path(dest or config.get("HETSERVE_BACKEND_DIR") or REPO_ROOT / ".hetserve" / "backends")
     py = dest / "python"
     py.mkdir(parents=True, exist_ok=True)
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -257,7 +259,8 @@ def stub_environment(extra: Optional[dict] = None) -> dict:
     # The 2.51 stub does not honour PYTHONPATH for the model's own imports, so hetserve must be pip-installed
     # (scripts/install.sh does `pip install -e .`); the path is still passed for any helper processes.
     paths = [str(PKG_DIR)] + site.getsitepackages() + [site.getusersitepackages()]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + inherited))
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     return env

@@ -32,7 +32,8 @@ class Tokenizer:
 
     @staticmethod
     def _from_gguf(spec: dict):
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
 
         if spec.get("model") != "gpt2":
             raise TokenizerError(f"GGUF tokenizer model {spec.get('model')!r} not supported (byte-level BPE only)")

@@ -1,73 +1,58 @@
-"""The local topology: one prefill server and one decode server on separate cores (separate 'devices')."""
+"""One prefill server and one decode server on separate cores: a thin view of cluster.LocalCluster (the one
+launcher) with one decode server, addressed by role (`servers["prefill"]`, `decode_grpc`)."""
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional
 
-from .server import REPO_ROOT, ServerSpec, TritonProcess, bind_host, check_ports_free
+from .cluster import LocalCluster, split_cpus
+from .server import TritonProcess
+
+__all__ = ["Topology", "split_cpus"]
 
 
-def split_cpus() -> Dict[str, Optional[List[int]]]:
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return {"prefill": None, "decode": None}
-    half = len(cpus) // 2
-    return {"prefill": cpus[:half], "decode": cpus[half:]}
-
-
-@dataclass
 class Topology:
-    engine_dir: str
-    base_port: int = 8000  # prefill: base..base+2, decode: base+1000..base+1002
-    log_dir: str = field(default_factory=lambda: str(REPO_ROOT / ".hetserve" / "logs"))
-    env: dict = field(default_factory=dict)
-    pin: bool = True
-    host: str = field(default_factory=bind_host)
-    servers: Dict[str, TritonProcess] = field(default_factory=dict)
+    """prefill: base..base+2 (HTTP, gRPC, metrics), decode: base+1000..base+1002."""
 
-    def spec(self, role: str) -> ServerSpec:
-        cpus = split_cpus() if self.pin else {"prefill": None, "decode": None}
-        off = {"prefill": 0, "decode": 1000}[role]
-        b = self.base_port + off
-        env = dict(self.env)
-        if role == "prefill":
-            env.setdefault("HETSERVE_DECODE_URL", f"127.0.0.1:{self.base_port + 1001}")
-        return ServerSpec(role, b, b + 1, b + 2, self.engine_dir, cpus=cpus[role], env=env, host=self.host,
-                          log_file=str(Path(self.log_dir) / f"{role}-{self.base_port}.log"))
+    def __init__(self, engine_dir: str, base_port: int = 8000, log_dir: Optional[str] = None,
+                 env: Optional[dict] = None, pin: bool = True, host: Optional[str] = None):
+        self.cluster = LocalCluster(engine_dir, base_port=base_port, n_decode=1, env=env, log_dir=log_dir,
+                                    pin=pin, host=host, static_decode=True)
+
+    @property
+    def engine_dir(self) -> str:
+        return self.cluster.engine_dir
+
+    @property
+    def base_port(self) -> int:
+        return self.cluster.base_port
+
+    @property
+    def servers(self) -> Dict[str, TritonProcess]:
+        c = self.cluster
+        return {**({"decode": c.decode[0]} if 0 in c.decode else {}),
+                **({"prefill": c.prefill} if c.prefill is not None else {})}
 
     def processes(self) -> List[TritonProcess]:
-        return list(self.servers.values())
+        return self.cluster.processes()
 
     @property
     def prefill_grpc(self) -> str:
-        return f"127.0.0.1:{self.base_port + 1}"
+        return self.cluster.prefill_grpc
 
     @property
     def prefill_http(self) -> str:
-        return f"127.0.0.1:{self.base_port}"
+        return self.cluster.prefill_http
 
     @property
     def decode_grpc(self) -> str:
-        return f"127.0.0.1:{self.base_port + 1001}"
+        return self.cluster.decode_grpc(0)
 
     def start(self, timeout: float = 300.0) -> "Topology":
-        roles = ("decode", "prefill")
-        check_ports_free([self.spec(r) for r in roles])  # before anything starts: a running one keeps serving
-        try:
-            for role in roles:
-                self.servers[role] = TritonProcess(self.spec(role)).start(check_ports=False)
-            for p in self.servers.values():
-                p.wait_ready(timeout)
-        except Exception:
-            self.stop()
-            raise
+        self.cluster.start(timeout)
         return self
 
     def stop(self):
-        for p in self.servers.values():
-            p.stop()
+        self.cluster.stop()
 
     def __enter__(self):
         return self.start()

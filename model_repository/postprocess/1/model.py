@@ -4,4 +4,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "python_backends"))  # absent in images: harmless
+from hetserve.logs import setup  # noqa: E402
+
+setup(pathlib.Path(__file__).resolve().parents[1].name, announce=True)  # our log lines in tritonserver's output
 from hetserve.triton.postprocess import TritonPythonModel  # noqa: E402,F401

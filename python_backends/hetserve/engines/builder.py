@@ -6,12 +6,12 @@ GPU (when `tensorrt` imports and a CUDA device exists): prefill_fp16_trt, decode
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from .. import config
 from ..model.checkpoint import load_checkpoint
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
@@ -22,7 +22,8 @@ INT8_BLOCK = 32
 def quantize_int8(src: Path, dst: Path, scheme=None) -> None:
     """INT8 MatMulNBits decode graph (scheme and its measurements: engines/quantize.py, one place for both
     the standard and the fused graph)."""
-    from .quantize import INT8_SCHEME, quantize_int8 as q8
+    from .quantize import INT8_SCHEME
+    from .quantize import quantize_int8 as q8
 
     q8(src, dst, scheme or INT8_SCHEME)
 
@@ -36,7 +37,9 @@ def _sha256(path: Path) -> str:
 
 
 def default_engine_dir() -> str:
-    return os.environ.get("HETSERVE_ENGINE_DIR", str(Path.cwd() / ".hetserve" / "engines"))
+    if config.is_set("HETSERVE_ENGINE_DIR"):
+        return config.get("HETSERVE_ENGINE_DIR")
+    return str(Path.cwd() / ".hetserve" / "engines")
 
 
 def gpu_available() -> bool:
@@ -51,7 +54,7 @@ def gpu_available() -> bool:
 
 
 def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bool] = None,
-                  force: bool = False, log: Callable[[str], None] = None) -> dict:
+                  force: bool = False, log: Optional[Callable[[str], None]] = None) -> dict:
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

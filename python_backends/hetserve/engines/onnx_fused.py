@@ -28,7 +28,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..model.checkpoint import Checkpoint
-from .onnx_graph import OPSET, _G
+from .onnx_graph import _G, OPSET
 
 MS = "com.microsoft"
 

@@ -117,7 +117,7 @@ def wire_roundtrip(dtype: str, compat_hash: str = "quality"):
 
 def engine_quality(engine_dir: str, names: Sequence[str], kv_dtypes: Sequence[str] = ("fp16", "int8"),
                    texts: Sequence[str] = EVAL_TEXTS, set_name: str = "eval", threads: int = 0,
-                   log: Callable[[str], None] = None) -> Dict[str, dict]:
+                   log: Optional[Callable[[str], None]] = None) -> Dict[str, dict]:
     """{engine name | "kv:<dtype>": Quality dict} vs decode_fp32 on `texts` (the build calls this)."""
     from .builder import load_tokenizer
     from .runtime import Engine

@@ -33,7 +33,8 @@ TUNE_TEXTS = (
     "isn't the sky violet?\nAssistant: Partly because the sun emits less violet, and partly because our eyes are "
     "more sensitive to blue.",
 
-    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out = []\n    i = j = 0\n"
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
+    "    out = []\n    i = j = 0\n"
     "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n"
     "        else:\n            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n"
     "    return out\n\n\ndef merge_sort(xs):\n    if len(xs) <= 1:\n        return list(xs)\n    mid = len(xs) // 2\n"
@@ -101,7 +102,8 @@ EVAL_TEXTS = (
 
     "class Stack:\n    \"\"\"A last-in, first-out container backed by a Python list.\"\"\"\n\n    def __init__(self):\n"
     "        self._items = []\n\n    def push(self, item):\n        self._items.append(item)\n\n    def pop(self):\n"
-    "        if not self._items:\n            raise IndexError(\"pop from empty stack\")\n        return self._items.pop()\n"
+    "        if not self._items:\n            raise IndexError(\"pop from empty stack\")\n"
+    "        return self._items.pop()\n"
     "\n    def peek(self):\n        return self._items[-1] if self._items else None\n\n    def __len__(self):\n"
     "        return len(self._items)\n\n\ndef balanced(text):\n    pairs = {')': '(', ']': '[', '}': '{'}\n"
     "    s = Stack()\n    for ch in text:\n        if ch in '([{':\n            s.push(ch)\n        elif ch in pairs:\n"

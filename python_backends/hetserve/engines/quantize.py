@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Tuple
+from typing import Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,8 @@ FP8_MAX = 448.0
 
 
 def _to_opset19(model) -> None:
-    from onnx import helper, numpy_helper
     import numpy as np
+    from onnx import helper, numpy_helper
 
     for n in model.graph.node:
         if n.op_type == "ReduceMean":
@@ -126,7 +126,7 @@ def calibrate_matmul_inputs(fp32_onnx: Path, tokenizer, texts) -> dict:
     return amax
 
 
-def quantize_qdq(src: Path, dst: Path, kind: str, act_amax: dict = None) -> None:
+def quantize_qdq(src: Path, dst: Path, kind: str, act_amax: Optional[dict] = None) -> None:
     """src fp32 standard-op ONNX -> dst QDQ graph (`kind` int8 | fp8; fp8 needs act_amax from calibration)."""
     import numpy as np
     import onnx

@@ -10,12 +10,12 @@ Two attention back ends (the manifest's "attention" per engine, see builder.py):
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import config
 from ..model.checkpoint import LlamaConfig
 from .manifest import read_manifest
 
@@ -71,10 +71,10 @@ class Engine:
             import onnxruntime as ort
 
             so = ort.SessionOptions()
-            so.intra_op_num_threads = int(threads or os.environ.get("HETSERVE_THREADS", 0) or 0)
+            so.intra_op_num_threads = int(threads or config.get("HETSERVE_THREADS"))
             so.inter_op_num_threads = 1
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            prof = os.environ.get("HETSERVE_ORT_PROFILE")  # per-op timings (JSON trace) for loadtest/README
+            prof = config.get("HETSERVE_ORT_PROFILE")  # per-op timings (JSON trace) for loadtest/README
             if prof:
                 so.enable_profiling = True
                 so.profile_file_prefix = f"{prof}_{name}"

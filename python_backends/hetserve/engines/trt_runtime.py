@@ -14,11 +14,12 @@ UNVERIFIED: no GPU has been lent to this project; scripts/gpu_check.sh is the ch
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+
+from .. import config
 
 PROFILES = ("prefill", "decode")  # optimization profile index = position here (trt_builder builds them so)
 
@@ -128,7 +129,7 @@ class TrtRunner:
 def ort_providers(device: Optional[str] = None) -> list:
     """ONNX Runtime providers for an engine: CUDA EP (onnxruntime-gpu) when HETSERVE_ORT_DEVICE=cuda[:N],
     else CPU. Asking for CUDA where the installed onnxruntime has no CUDA EP is an error, not a silent CPU run."""
-    device = device or os.environ.get("HETSERVE_ORT_DEVICE", "cpu")
+    device = device or config.get("HETSERVE_ORT_DEVICE")
     if device == "cpu":
         return ["CPUExecutionProvider"]
     if not device.startswith("cuda"):

@@ -5,7 +5,7 @@ A block holds K and V of `block_tokens` consecutive tokens for every layer, as o
 carry a refcount (forked sequences share full blocks) and a pin count (a block of an *active* sequence is
 pinned: it stays on the device tier and is never moved).
 
-Tiers, top to bottom, each with a capacity in blocks:
+Tiers (kv/tiers.py), top to bottom, each with a capacity in blocks:
   device  process-memory numpy arena (a torch CUDA arena when CUDA is available)
   host    a second arena (page-locked when CUDA is available)
   disk    one memory-mapped file under a directory
@@ -24,236 +24,18 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
-import os
-import socket
-import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
+from .. import config
+from .tiers import KVLost, PoolFull, SlotTier, Tier, tier_stack
+
 TIER_NAMES = ("device", "host", "disk", "redis")
 ENGINE = -1  # slot of a block whose KV lives in the engine's batch buffer (attached sequence)
-
-
-class PoolFull(RuntimeError):
-    """No tier can take the blocks (device pinned full and nowhere to demote to)."""
-
-
-class KVLost(RuntimeError):
-    """A block is gone from its tier (Redis TTL expiry / eviction, storage error)."""
-
-
-# ---- tiers ----------------------------------------------------------------------------------------
-class Tier:
-    """Storage for fixed-shape blocks addressed by integer slots. `capacity` None = unbounded."""
-
-    def __init__(self, name: str, capacity: Optional[int], block_shape: Tuple[int, ...], dtype):
-        if capacity is not None and capacity < 0:
-            raise ValueError(f"tier {name}: negative capacity")
-        self.name, self.capacity = name, capacity
-        self.block_shape, self.dtype = tuple(block_shape), np.dtype(dtype)
-        self.used = 0
-
-    @property
-    def free(self) -> float:
-        return math.inf if self.capacity is None else self.capacity - self.used
-
-    def alloc(self, n: int) -> List[int]:
-        raise NotImplementedError
-
-    def release(self, slots: Sequence[int]) -> None:
-        raise NotImplementedError
-
-    def write(self, slots: Sequence[int], data: np.ndarray) -> None:
-        """data: [len(slots), *block_shape]."""
-        raise NotImplementedError
-
-    def read(self, slots: Sequence[int]) -> np.ndarray:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class _SlotTier(Tier):
-    """A tier with a fixed number of slots and a free list."""
-
-    def __init__(self, name, capacity, block_shape, dtype):
-        super().__init__(name, int(capacity), block_shape, dtype)
-        self._free = list(range(self.capacity - 1, -1, -1))
-
-    def alloc(self, n):
-        if n > self.free:  # not len(_free): engine-held blocks are counted as used without a slot
-            raise PoolFull(f"{self.name} tier: {n} blocks wanted, {self.free} free")
-        out = [self._free.pop() for _ in range(n)]
-        self.used += n
-        return out
-
-    def release(self, slots):
-        self._free.extend(slots)
-        self.used -= len(slots)
-
-    def unback(self, slots):
-        """The blocks in `slots` stay counted as used but give their slots back (their KV is engine-held)."""
-        self._free.extend(slots)
-
-    def back(self, n) -> List[int]:
-        """Slots for n blocks already counted as used (used - slots in use >= n always holds)."""
-        return [self._free.pop() for _ in range(n)]
-
-    def release_unbacked(self, n):
-        self.used -= n
-
-
-class ArenaTier(_SlotTier):
-    """Blocks in one preallocated numpy array [capacity, *block_shape] (process memory, a memmap, or a numpy
-    view of pinned host memory). np.zeros pages are committed lazily, so a large budget costs nothing unused."""
-
-    def __init__(self, name, capacity, block_shape, dtype, array: Optional[np.ndarray] = None):
-        super().__init__(name, capacity, block_shape, dtype)
-        self.a = np.zeros((self.capacity, *self.block_shape), self.dtype) if array is None else array
-
-    def write(self, slots, data):
-        self.a[np.asarray(slots, np.int64)] = data
-
-    def read(self, slots):
-        return np.array(self.a[np.asarray(slots, np.int64)])
-
-    def write_tokens(self, slots, offsets, k: np.ndarray, v: np.ndarray) -> None:
-        """One token per (slot, offset): k, v [n, L, KVH, D]."""
-        s, o = np.asarray(slots, np.int64), np.asarray(offsets, np.int64)
-        self.a[s, 0, :, :, o] = k
-        self.a[s, 1, :, :, o] = v
-
-
-class TorchArenaTier(_SlotTier):
-    """Blocks in one torch tensor (a CUDA device arena; any torch device works). Same API as ArenaTier."""
-
-    def __init__(self, name, capacity, block_shape, dtype, device: str = "cuda"):
-        import torch
-
-        super().__init__(name, capacity, block_shape, dtype)
-        self._torch = torch
-        self.device = torch.device(device)
-        tdt = torch.from_numpy(np.zeros(0, self.dtype)).dtype
-        self.t = torch.zeros((self.capacity, *self.block_shape), dtype=tdt, device=self.device)
-
-    def _idx(self, slots):
-        return self._torch.as_tensor(np.asarray(slots, np.int64), device=self.device)
-
-    def _dev(self, x: np.ndarray):
-        return self._torch.from_numpy(np.ascontiguousarray(x, self.dtype)).to(self.device)
-
-    def write(self, slots, data):
-        self.t[self._idx(slots)] = self._dev(data)
-
-    def read(self, slots):
-        return self.t[self._idx(slots)].cpu().numpy()
-
-    def write_tokens(self, slots, offsets, k, v):
-        s, o = self._idx(slots), self._idx(offsets)
-        self.t[s, 0, :, :, o] = self._dev(k)
-        self.t[s, 1, :, :, o] = self._dev(v)
-
-
-class DiskTier(ArenaTier):
-    """Blocks in one memory-mapped file under `directory` (sparse until written); the file is removed on close."""
-
-    def __init__(self, name, capacity, block_shape, dtype, directory: str):
-        os.makedirs(directory, exist_ok=True)
-        fd, self.path = tempfile.mkstemp(prefix=f"hetserve-kv-{os.getpid()}-", suffix=".blocks", dir=directory)
-        os.close(fd)
-        shape = (int(capacity), *block_shape)
-        super().__init__(name, capacity, block_shape, dtype,
-                         array=np.memmap(self.path, dtype=np.dtype(dtype), mode="w+", shape=shape))
-
-    def close(self):
-        self.a = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-class RedisTier(Tier):
-    """One Redis string per block, key `<namespace>:<slot>`, written with a TTL (seconds). Unbounded when
-    capacity is None. Connection failures surface as PoolFull on write and KVLost on read."""
-
-    def __init__(self, name, capacity, block_shape, dtype, url: str, ttl_s: int = 3600,
-                 namespace: Optional[str] = None):
-        import redis
-
-        super().__init__(name, capacity, block_shape, dtype)
-        self._redis = redis
-        self.url, self.ttl_s = url, int(ttl_s)
-        self.ns = namespace or f"hetserve:kv:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.nbytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
-        self.r = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
-        try:
-            self.r.ping()
-        except redis.RedisError as e:
-            raise ConnectionError(f"KV redis tier: cannot reach {url}: {e}") from e
-        self._next = itertools.count()
-        self._live: set = set()
-
-    def key(self, slot: int) -> str:
-        return f"{self.ns}:{slot}"
-
-    def alloc(self, n):
-        if n > self.free:
-            raise PoolFull(f"{self.name} tier: {n} blocks wanted, {self.free} free")
-        out = [next(self._next) for _ in range(n)]
-        self._live.update(out)
-        self.used += n
-        return out
-
-    def release(self, slots):
-        slots = [s for s in slots if s in self._live]
-        self._live.difference_update(slots)
-        self.used -= len(slots)
-        if slots:
-            try:
-                self.r.delete(*[self.key(s) for s in slots])
-            except self._redis.RedisError:
-                pass  # the TTL reclaims them
-
-    def write(self, slots, data):
-        data = np.ascontiguousarray(data, self.dtype)
-        try:
-            with self.r.pipeline(transaction=False) as p:
-                for s, blk in zip(slots, data):
-                    p.set(self.key(s), blk.tobytes(), ex=self.ttl_s)
-                p.execute()
-        except self._redis.RedisError as e:
-            raise PoolFull(f"{self.name} tier unavailable: {e}") from e
-
-    def read(self, slots):
-        try:
-            with self.r.pipeline(transaction=False) as p:
-                for s in slots:
-                    p.get(self.key(s))
-                vals = p.execute()
-        except self._redis.RedisError as e:
-            raise KVLost(f"{self.name} tier unavailable: {e}") from e
-        out = np.empty((len(slots), *self.block_shape), self.dtype)
-        for i, (s, b) in enumerate(zip(slots, vals)):
-            if b is None or len(b) != self.nbytes:
-                raise KVLost(f"{self.name} tier: block {self.key(s)} " + ("expired or evicted" if b is None
-                                                                          else f"has {len(b)} bytes"))
-            out[i] = np.frombuffer(b, self.dtype).reshape(self.block_shape)
-        return out
-
-    def close(self):
-        self.release(list(self._live))
-        try:
-            self.r.close()
-        except Exception:
-            pass
 
 
 # ---- the pool -------------------------------------------------------------------------------------
@@ -274,15 +56,6 @@ class _Seq:
     touched: float = field(default_factory=time.monotonic)
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
-
-
 class BlockPool:
     """Paged KV pool over a tier stack (tiers[0] is the device tier and must support write_tokens)."""
 
@@ -300,6 +73,7 @@ class BlockPool:
             if t.block_shape != self.block_shape or t.dtype != self.dtype:
                 raise ValueError(f"tier {t.name}: block shape/dtype differ from the pool's")
         self.tiers = tiers
+        self.device = cast(SlotTier, tiers[0])  # checked above: a slot arena (ArenaTier or TorchArenaTier)
         self._blocks: Dict[int, _Block] = {}
         self._lru: List["collections.OrderedDict[int, None]"] = [collections.OrderedDict() for _ in tiers]
         self._seqs: Dict[Hashable, _Seq] = {}
@@ -313,39 +87,10 @@ class BlockPool:
                block_tokens: int = 16, host_bytes: int = 0, disk_dir: Optional[str] = None, disk_bytes: int = 0,
                redis_url: Optional[str] = None, redis_bytes: Optional[int] = None, redis_ttl_s: int = 3600,
                device: str = "auto", dtype=np.float32) -> "BlockPool":
-        """Tiers sized in bytes (rounded down to whole blocks); a tier with 0 bytes / no dir / no url is left out.
-        device: 'auto' (CUDA arena when torch sees a GPU), 'cpu', or a torch device string such as 'cuda:0'."""
-        shape = (2, num_layers, num_kv_heads, int(block_tokens), head_dim)
-        bb = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        n_dev = int(device_bytes) // bb
-        if n_dev < 1:
-            raise ValueError(f"KV device budget {int(device_bytes)} B is smaller than one block ({bb} B = "
-                             f"{block_tokens} tokens)")
-        cuda = _cuda_available() if device == "auto" else device.startswith("cuda")
-        tiers: List[Tier] = []
-        try:
-            if not cuda:
-                tiers.append(ArenaTier("device", n_dev, shape, dtype))
-            else:
-                tiers.append(TorchArenaTier("device", n_dev, shape, dtype, "cuda" if device == "auto" else device))
-            if host_bytes and int(host_bytes) // bb:
-                n = int(host_bytes) // bb
-                arr = None
-                if cuda:
-                    import torch
-
-                    tdt = torch.from_numpy(np.zeros(0, dtype)).dtype
-                    arr = torch.zeros((n, *shape), dtype=tdt, pin_memory=True).numpy()
-                tiers.append(ArenaTier("host", n, shape, dtype, array=arr))
-            if disk_dir and int(disk_bytes) // bb:
-                tiers.append(DiskTier("disk", int(disk_bytes) // bb, shape, dtype, disk_dir))
-            if redis_url:
-                cap = None if redis_bytes is None else max(int(redis_bytes) // bb, 0)
-                tiers.append(RedisTier("redis", cap, shape, dtype, redis_url, ttl_s=redis_ttl_s))
-        except Exception:
-            for t in tiers:
-                t.close()
-            raise
+        """A pool over tiers.tier_stack(...) (sizes in bytes, rounded down to whole blocks)."""
+        tiers = tier_stack(num_layers, num_kv_heads, head_dim, device_bytes=device_bytes, block_tokens=block_tokens,
+                           host_bytes=host_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes, redis_url=redis_url,
+                           redis_bytes=redis_bytes, redis_ttl_s=redis_ttl_s, device=device, dtype=dtype)
         return cls(num_layers, num_kv_heads, head_dim, tiers, block_tokens, dtype)
 
     @classmethod
@@ -355,29 +100,20 @@ class BlockPool:
         HETSERVE_KV_HOST_MB (1024), HETSERVE_KV_DISK_DIR (unset: no disk tier), HETSERVE_KV_DISK_MB (4096),
         HETSERVE_REDIS_URL (unset: no redis tier), HETSERVE_KV_REDIS_MB (unbounded), HETSERVE_KV_REDIS_TTL_S
         (3600), HETSERVE_KV_DEVICE (auto|cpu|cuda[:n])."""
-        env = os.environ if env is None else env
-
-        def num(name, default, conv=float):
-            v = env.get(name) or default  # unset or empty: the default
-            try:
-                return None if v is None else conv(v)
-            except ValueError:
-                raise ValueError(f"{name}={v!r}: expected a number") from None
-
-        def mb(name, default):
-            v = num(name, default)
+        def mb(name):
+            v = config.get(name, env)
             return None if v is None else int(v * (1 << 20))
 
         return cls.create(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                          device_bytes=mb("HETSERVE_KV_BUDGET_MB", "2048"),
-                          block_tokens=num("HETSERVE_KV_BLOCK_TOKENS", "16", int),
-                          host_bytes=mb("HETSERVE_KV_HOST_MB", "1024") or 0,
-                          disk_dir=env.get("HETSERVE_KV_DISK_DIR") or None,
-                          disk_bytes=mb("HETSERVE_KV_DISK_MB", "4096") or 0,
-                          redis_url=env.get("HETSERVE_REDIS_URL") or None,
-                          redis_bytes=mb("HETSERVE_KV_REDIS_MB", None),
-                          redis_ttl_s=num("HETSERVE_KV_REDIS_TTL_S", "3600", int),
-                          device=env.get("HETSERVE_KV_DEVICE", "auto"))
+                          device_bytes=mb("HETSERVE_KV_BUDGET_MB"),
+                          block_tokens=config.get("HETSERVE_KV_BLOCK_TOKENS", env),
+                          host_bytes=mb("HETSERVE_KV_HOST_MB") or 0,
+                          disk_dir=config.get("HETSERVE_KV_DISK_DIR", env) or None,
+                          disk_bytes=mb("HETSERVE_KV_DISK_MB") or 0,
+                          redis_url=config.get("HETSERVE_REDIS_URL", env) or None,
+                          redis_bytes=mb("HETSERVE_KV_REDIS_MB"),
+                          redis_ttl_s=config.get("HETSERVE_KV_REDIS_TTL_S", env),
+                          device=config.get("HETSERVE_KV_DEVICE", env))
 
     def close(self) -> None:
         with self._lock:
@@ -566,7 +302,7 @@ class BlockPool:
             k, v = self.read(seq_id)
             own = [self._blocks[bid] for bid in seq.blocks if self._blocks[bid].ref == 1]
             assert all(b.tier == 0 for b in own), "attach of a sequence not on the device tier"
-            self.tiers[0].unback([b.slot for b in own])
+            self.device.unback([b.slot for b in own])
             for b in own:
                 b.slot = ENGINE
             seq.attached = True
@@ -583,7 +319,7 @@ class BlockPool:
             if k.shape != v.shape or not seq.n_tokens <= T <= len(seq.blocks) * self.bt:
                 raise ValueError(f"sequence {seq_id!r}: detach of {T} tokens into {len(seq.blocks)} blocks")
             idx = [i for i, bid in enumerate(seq.blocks) if self._blocks[bid].slot == ENGINE]
-            slots = self.tiers[0].back(len(idx))
+            slots = self.device.back(len(idx))
             self.tiers[0].write(slots, self._to_blocks(k, v, len(seq.blocks))[idx])
             for i, slot in zip(idx, slots):
                 self._blocks[seq.blocks[i]].slot = slot
@@ -640,7 +376,7 @@ class BlockPool:
                 offs.append(off)
                 seqs.append(seq)
             if seqs:
-                self.tiers[0].write_tokens(slots, offs, k, v)
+                self.device.write_tokens(slots, offs, k, v)
             for seq in seqs:
                 seq.n_tokens += 1
 
@@ -722,7 +458,7 @@ class BlockPool:
         b = self._blocks.pop(bid)
         self._lru[b.tier].pop(bid, None)
         if b.slot == ENGINE:
-            self.tiers[b.tier].release_unbacked(1)
+            cast(SlotTier, self.tiers[b.tier]).release_unbacked(1)
         else:
             self.tiers[b.tier].release([b.slot])
 
@@ -752,7 +488,7 @@ class BlockPool:
 
     def _movable(self, ti: int, limit: int, exclude: set) -> List[int]:
         """Up to `limit` unpinned blocks of tier ti not in exclude, least recently used first."""
-        out = []
+        out: List[int] = []
         if limit <= 0:
             return out
         for bid in self._lru[ti]:
@@ -873,7 +609,7 @@ class BlockPool:
         self._make_room(0, extra, exclude)
         slots = self.tiers[0].alloc(extra)
         if seq.attached:  # the engine holds the KV: count the blocks, keep no slot
-            self.tiers[0].unback(slots)
+            self.device.unback(slots)
         for s in slots:
             bid = self._new_block(0, ENGINE if seq.attached else s)
             self._blocks[bid].pins = 1 if seq.active else 0

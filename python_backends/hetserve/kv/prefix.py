@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import os
 import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .. import config
 
 BLOCK_TOKENS = 16
 
@@ -63,11 +64,7 @@ class PrefixCache:
     @classmethod
     def from_env(cls, seed: str = "", default_mb: float = 256.0) -> "PrefixCache":
         """Budget from HETSERVE_PREFIX_CACHE_MB (default 256; 0 disables)."""
-        raw = os.environ.get("HETSERVE_PREFIX_CACHE_MB", str(default_mb))
-        try:
-            mb = float(raw)
-        except ValueError:
-            raise ValueError(f"HETSERVE_PREFIX_CACHE_MB={raw!r} is not a number") from None
+        mb = config.get("HETSERVE_PREFIX_CACHE_MB") if config.is_set("HETSERVE_PREFIX_CACHE_MB") else default_mb
         return cls(int(mb * (1 << 20)), seed=seed)
 
     @property

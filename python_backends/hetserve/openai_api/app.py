@@ -14,19 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import signal
-import logging
-import os
 from dataclasses import dataclass
 from typing import AsyncIterator, List, Optional
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' string annotations here
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .. import config
 from .backend import Delta, TritonLLM
-from .schema import (ApiError, ChatRequest, CompletionRequest, GenRequest, Usage, bad_request, new_id, now,
-                     parse)
+from .schema import ApiError, ChatRequest, CompletionRequest, GenRequest, Usage, bad_request, new_id, now, parse
 
 log = logging.getLogger("hetserve.openai")
 
@@ -46,14 +45,13 @@ class FrontendConfig:
 
     @classmethod
     def from_env(cls, **kw) -> "FrontendConfig":
-        e = os.environ.get
-        base = dict(triton_url=e("HETSERVE_OPENAI_TRITON_URL", cls.triton_url),
-                    engine_dir=e("HETSERVE_ENGINE_DIR", ""),
-                    model_name=e("HETSERVE_OPENAI_MODEL", cls.model_name),
-                    max_concurrent=int(e("HETSERVE_OPENAI_MAX_CONCURRENT", cls.max_concurrent)),
-                    max_body_bytes=int(e("HETSERVE_OPENAI_MAX_BODY_BYTES", cls.max_body_bytes)),
-                    max_prompt_chars=int(e("HETSERVE_OPENAI_MAX_PROMPT_CHARS", cls.max_prompt_chars)),
-                    default_max_tokens=int(e("HETSERVE_OPENAI_DEFAULT_MAX_TOKENS", cls.default_max_tokens)))
+        base = dict(triton_url=config.get("HETSERVE_OPENAI_TRITON_URL"),
+                    engine_dir=config.get("HETSERVE_ENGINE_DIR") or "",
+                    model_name=config.get("HETSERVE_OPENAI_MODEL"),
+                    max_concurrent=config.get("HETSERVE_OPENAI_MAX_CONCURRENT"),
+                    max_body_bytes=config.get("HETSERVE_OPENAI_MAX_BODY_BYTES"),
+                    max_prompt_chars=config.get("HETSERVE_OPENAI_MAX_PROMPT_CHARS"),
+                    default_max_tokens=config.get("HETSERVE_OPENAI_DEFAULT_MAX_TOKENS"))
         base.update({k: v for k, v in kw.items() if v is not None})
         return cls(**base)
 
@@ -320,10 +318,13 @@ def serve(cfg: FrontendConfig, ready_cb=None) -> int:
     """Run uvicorn in the foreground (SIGINT/SIGTERM stop it)."""
     import uvicorn
 
+    from ..logs import setup
+
+    setup("openai")
     app = create_app(cfg)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, limit_concurrency=cfg.max_concurrent * 2 + 16)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(ucfg)
     if ready_cb is not None:
         ready_cb(cfg)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found: make

@@ -16,15 +16,22 @@ import math
 import sys
 from typing import Any, Optional, Sequence, TextIO
 
+from .calibration import Measurements, calibrate, calibrate_links, calibration_report
 from .measure import MeasureConfig, MeasureError, holdout_report, measure, render_holdout
-from .model import (
-    SLO, LengthDist, Measurements, PlanResult, Prediction, SearchSpace, Workload, calibrate,
-    calibrate_links, calibration_report, plan,
-)
+from .model import SLO, LengthDist, Prediction, Workload
 from .profiles import (
-    HARDWARE, KV_TIERS, LINKS, MODELS, PRECISIONS, HardwareProfile, LinkProfile, ModelConfig, check_precision,
+    HARDWARE,
+    KV_TIERS,
+    LINKS,
+    MODELS,
+    PRECISIONS,
+    HardwareProfile,
+    LinkProfile,
+    ModelConfig,
+    check_precision,
     lookup,
 )
+from .search import PlanResult, SearchSpace, plan
 
 EXIT_FEASIBLE, EXIT_INPUT, EXIT_INFEASIBLE = 0, 1, 2
 
@@ -68,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--slo-percentile", type=float, default=90.0, help="TTFT percentile (default %(default)s)")
     s.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate, req/s (default %(default)s)")
     for name, mean in (("prompt", 512), ("output", 128)):
-        s.add_argument(f"--{name}-len", type=float, default=float(mean), help=f"mean {name} tokens (default %(default)s)")
+        s.add_argument(f"--{name}-len", type=float, default=float(mean),
+                       help=f"mean {name} tokens (default %(default)s)")
         s.add_argument(f"--{name}-std", type=float, default=0.0, help=f"{name} length std (default 0)")
         s.add_argument(f"--{name}-dist", choices=("fixed", "normal", "lognormal"),
                        help=f"{name} length distribution (default: fixed, lognormal when --{name}-std > 0)")
@@ -306,7 +314,8 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
             meas = Measurements.from_dict(raw)
             base = lookup(table, meas.hardware, "hardware")
             cal_model = lookup(MODELS, meas.model, "model") if "model" in raw else model
-            hp, hb = _holdout(args.holdout_prompts, "--holdout-prompts"), _holdout(args.holdout_batches, "--holdout-batches")
+            hp = _holdout(args.holdout_prompts, "--holdout-prompts")
+            hb = _holdout(args.holdout_batches, "--holdout-batches")
             if (meas.prompt_lengths or meas.batch_sizes) and (hp != () or hb != ()):
                 validation = holdout_report(meas, hp, hb, base, cal_model)
             fitted = calibrate(base, meas, cal_model)

@@ -18,7 +18,7 @@ Every point goes through the real serving path over Triton gRPC:
 Each round visits every point once, in a random order, so load from elsewhere falls on fitted and
 held-out points alike; before each point, while the servers are idle, it waits (bounded) until the
 box is quiet. Each point keeps the median of its rounds. The result is a measurements dict in the format
-:meth:`hetserve.planner.model.Measurements.from_dict` reads, with the raw samples under ``samples``.
+:meth:`hetserve.planner.calibration.Measurements.from_dict` reads, with the raw samples under ``samples``.
 :func:`holdout_report` then calibrates on part of the points and predicts the rest.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .model import Measurements, calibrate, calibrate_links, fit_parameters, link_transfer_s, predict_points
+from .calibration import Measurements, calibrate, calibrate_links, fit_parameters, link_transfer_s, predict_points
 from .profiles import HARDWARE, MODELS, HardwareProfile, ModelConfig, lookup
 
 TRANSPORT_LINKS = {"grpc": "loopback-grpc", "shm": "loopback-shm", "nixl": "loopback-nixl"}  # transport -> link
@@ -160,8 +160,7 @@ class Prober:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        from ..client import build_inputs
-        from ..client import admin_parameters
+        from ..client import admin_parameters, build_inputs
 
         ids, rid = self.prompt(n), uuid.uuid4().hex
         ins = build_inputs(None, input_ids=ids, request_id=rid, decode_url=self.decode_url, max_tokens=2,
@@ -353,7 +352,7 @@ def holdout_report(measurements: Any, holdout_prompts: Optional[Iterable[int]] =
                    model: Optional[ModelConfig] = None) -> dict[str, Any]:
     """Calibrate ``profile`` (default: the measurements' hardware) and the links on the training
     points only, then predict every point, held out or not, through :func:`predict` (via
-    :func:`~hetserve.planner.model.predict_points`). Returns the fitted profile and links and one
+    :func:`~hetserve.planner.calibration.predict_points`). Returns the fitted profile and links and one
     row per point: measured, predicted, relative error and whether it was held out."""
     meas = measurements if isinstance(measurements, Measurements) else Measurements.from_dict(measurements)
     model = model or lookup(MODELS, meas.model, "model")
