@@ -83,8 +83,8 @@ def test_client_build_inputs_uses_the_schema_dtypes():
 
 def test_error_kinds_roundtrip_and_never_stack():
     msg = errors.tag(errors.OVERLOADED, "pending KV full; retry after 0.5s")
-    assert errors.parse("decode at 1.2.3.4:9001: " + msg) == (errors.OVERLOADED,
-                                                              "decode at 1.2.3.4:9001: pending KV full; retry after 0.5s")
+    want = (errors.OVERLOADED, "decode at 1.2.3.4:9001: pending KV full; retry after 0.5s")
+    assert errors.parse("decode at 1.2.3.4:9001: " + msg) == want
     assert errors.tag(errors.BAD_INPUT, msg) == "[hetserve:bad_input] pending KV full; retry after 0.5s"
     assert errors.parse("Stream removed") == (None, "Stream removed")
     with pytest.raises(ValueError):

@@ -11,8 +11,17 @@ import numpy as np
 import pytest
 
 from hetserve.kv import wire
-from hetserve.kv.transport import (BASELINE, NAMES, SPECS, CapacityExhausted, KVSender, PeerRefused, SendState,
-                                   TransferError, spec)
+from hetserve.kv.transport import (
+    BASELINE,
+    NAMES,
+    SPECS,
+    CapacityExhausted,
+    KVSender,
+    PeerRefused,
+    SendState,
+    TransferError,
+    spec,
+)
 from hetserve.kv.transport.negotiate import host_identity, local_offer, usable
 from hetserve.reliability import DecodePool
 

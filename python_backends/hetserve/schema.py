@@ -8,16 +8,17 @@ model_repository/*/config.pbtxt against it. Sampling defaults and limits come fr
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from . import config
 from .errors import RequestError
 from .sampling import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
-MAX_TOKENS_LIMIT = int(os.environ.get("HETSERVE_MAX_TOKENS_LIMIT", "4096"))
+# read once: the bound is part of the schema a server process serves (its env is fixed at start)
+MAX_TOKENS_LIMIT = config.get("HETSERVE_MAX_TOKENS_LIMIT")
 
 # Triton data type (config.pbtxt TYPE_<x>) -> numpy dtype; STRING travels as "BYTES" on the client side
 NUMPY = {"STRING": np.object_, "BOOL": np.bool_, "UINT8": np.uint8, "INT32": np.int32, "INT64": np.int64,
@@ -115,8 +116,7 @@ def array(name: str, value) -> np.ndarray:
         vals = value if isinstance(value, (list, tuple)) else [value]
         return np.array([v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogatepass") for v in vals],
                         dtype=np.object_)
-    vals = value if isinstance(value, (list, tuple, np.ndarray)) else [value]
-    return np.asarray(vals, dtype=spec.np_dtype)
+    return np.asarray(value if isinstance(value, (list, tuple, np.ndarray)) else [value], dtype=spec.np_dtype)
 
 
 # ---- reading a request (a mapping name -> numpy array of the inputs it carries) ---------------------------

@@ -5,8 +5,8 @@ Cancelling the stream (client disconnect, or the frontend ending early) cancels 
 `is_cancelled()` at the next decode step and cancels its decode stream, so the decode server frees the sequence.
 Errors come back as text only (Triton's streaming gRPC responses carry no status code); hetserve's carry their
 kind (hetserve.errors): overloaded/unavailable -> 503 + Retry-After, bad_input -> 400, internal -> 500. Untagged
-ones come from Triton itself: "internal" -> 500, "unknown model"/"not found" -> 503 (the server has no `llm`: misdeployed, not the
-client's fault), a failed call -> 502, anything else -> 400.
+ones come from Triton itself: "internal" -> 500, "unknown model"/"not found" -> 503 (the server has no `llm`:
+misdeployed, not the client's fault), a failed call -> 502, anything else -> 400.
 """
 from __future__ import annotations
 

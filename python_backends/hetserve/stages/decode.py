@@ -49,10 +49,9 @@ class PendingKV:
 
     @classmethod
     def from_env(cls) -> "PendingKV":
-        import os
+        from .. import config
 
-        return cls(int(os.environ.get("HETSERVE_PENDING_KV_MAX") or 256),
-                   int(float(os.environ.get("HETSERVE_PENDING_KV_MB") or 1024) * (1 << 20)))
+        return cls(config.get("HETSERVE_PENDING_KV_MAX"), int(config.get("HETSERVE_PENDING_KV_MB") * (1 << 20)))
 
     def _drop(self, rid):
         k, v, _ = self._d.pop(rid)
@@ -208,6 +207,7 @@ class DecodeStage:
             raise RequestError("missing 'request_id'")
         if not prompt or not out_ids:
             raise RequestError("'input_ids' (prompt) and 'output_ids' (tokens so far, >= 1) are required")
+        assert params is not None  # call_from_tensors parses sampling for op=generate
         schema.check_prompt(prompt + out_ids, self.cfg, params.max_tokens - len(out_ids))
         params.stop_token_ids = [t for t in params.stop_token_ids if t >= 0]  # [-1] stands for "none"
         prec = self._precision(call.precision)
@@ -290,6 +290,7 @@ class DecodeStage:
             def on_tokens(toks, reason):
                 reply.tokens(list(toks), reason, final=bool(reason))
 
+            assert call.request_id and call.params is not None  # checked by _op_generate
             self.sched.submit(Sequence(call.request_id, len(call.prompt), list(call.output_ids), call.params, prec,
                                        on_tokens, reply.cancelled, k=k, v=v, prompt_ids=list(call.prompt)))
         except Exception as e:

@@ -18,8 +18,19 @@ from typing import List, Optional
 from ..errors import RequestError
 from ..sampling import is_stop_token
 from ..scheduler import Overloaded
-from .types import (Breaker, DecodeClient, DecodeFailed, DecodeRequest, GenerateRequest, Metrics, NoMetrics,
-                    Pool, PrefillClient, PrefillJob, TokenSink)
+from .types import (
+    Breaker,
+    DecodeClient,
+    DecodeFailed,
+    DecodeRequest,
+    GenerateRequest,
+    Metrics,
+    NoMetrics,
+    Pool,
+    PrefillClient,
+    PrefillJob,
+    TokenSink,
+)
 
 log = logging.getLogger("hetserve.orchestrator")
 
@@ -51,11 +62,11 @@ class Orchestrator:
         try:
             self.breaker.allow()  # raises BreakerOpen -> UNAVAILABLE at once
             probe = True
-            lease[0] = self.pool.pick()
+            member = lease[0] = self.pool.pick()
             rid = uuid.uuid4().hex
             # the transport negotiated with this member (kv/transport); a fallback is counted + logged by the pool
-            transport = self.pool.transport_for(lease[0], req.transport)
-            res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, lease[0], transport,
+            transport = self.pool.transport_for(member, req.transport)
+            res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, member, transport,
                                                   req.kv_dtype))
             self.breaker.record(time.perf_counter() - t0)
             probe = False
@@ -63,13 +74,13 @@ class Orchestrator:
                 transport = res.transport_used or req.transport or "default"
                 self.metrics.inc(TRANSFER_FAILED_METRIC, reason="transfer_failed", transport=transport)
                 log.warning("request %s: prefill could not send the KV to %s over %s; decode recomputes it at "
-                            "once", rid, lease[0], transport)
+                            "once", rid, member, transport)
             first = res.first_token
             stop = is_stop_token(first, req.params, self.eos_ids)
             reason = "stop" if stop else ("length" if req.params.max_tokens == 1 else None)
             if not sink.push([first], reason) or sink.cancelled():
                 if res.transfer_ok:
-                    self.decode.release(lease[0], rid)  # no decode for it: free the KV pushed to decode
+                    self.decode.release(member, rid)  # no decode for it: free the KV pushed to decode
                 return
             self._decode(sink, DecodeRequest(rid, list(req.prompt), [first], req.params, req.precision,
                                              kv_sent=res.transfer_ok), lease)
@@ -95,6 +106,7 @@ class Orchestrator:
         migrations = 0
         while True:
             url = lease[0]
+            assert url is not None  # run() and the migration below always leave a member leased here
             ds = self.decode.open(url)
             cancel = False
             try:

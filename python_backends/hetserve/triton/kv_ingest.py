@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Dict
 
 import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
+from .. import config
 from ..doctor import PROBE_PREFIX
 from ..engines.manifest import read_manifest
 from ..kv import wire
@@ -55,7 +55,7 @@ class TritonPythonModel:
         self.shape = (c["num_layers"], c["num_kv_heads"], c["head_dim"])
         self.max_position = c["max_position"]
         self.token = ingest_token()
-        self.pull_timeout_s = float(os.environ.get("HETSERVE_KV_PULL_TIMEOUT_S", "30"))
+        self.pull_timeout_s = config.get("HETSERVE_KV_PULL_TIMEOUT_S")
         self._receivers: Dict[str, TransportReceiver] = {}
         self._receiver_errors: Dict[str, str] = {}  # transport -> why its receiver could not start
         declare_transfer_failures(NAMES)

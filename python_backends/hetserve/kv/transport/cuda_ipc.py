@@ -17,6 +17,7 @@ import secrets
 import threading
 from typing import Dict, List
 
+from ... import config
 from .base import CapacityExhausted, InBandReceiver, TransferError, TransportSender, TransportUnavailable
 from .control import ClientCache, ControlTransfer, ingest_inputs
 
@@ -41,9 +42,9 @@ class CudaShmSender(TransportSender):
 
     def __init__(self, clients: ClientCache):
         self.clients = clients
-        self.slot_bytes = int(os.environ.get("HETSERVE_CUDA_SHM_BYTES", str(64 << 20)))
-        self.slots_per_peer = int(os.environ.get("HETSERVE_CUDA_SHM_SLOTS", "4"))
-        self.device = int(os.environ.get("HETSERVE_CUDA_SHM_DEVICE", "0"))
+        self.slot_bytes = config.get("HETSERVE_CUDA_SHM_BYTES")
+        self.slots_per_peer = config.get("HETSERVE_CUDA_SHM_SLOTS")
+        self.device = config.get("HETSERVE_CUDA_SHM_DEVICE")
         self._pools: Dict[str, List[_Slot]] = {}
         self._lock = threading.Lock()
 

@@ -27,8 +27,17 @@ from typing import Optional
 
 import numpy as np
 
-from .base import (CapacityExhausted, PeerRefused, RecvState, TransferError, TransferTimeout, TransportReceiver,
-                   TransportSender, TransportUnavailable)
+from ... import config
+from .base import (
+    CapacityExhausted,
+    PeerRefused,
+    RecvState,
+    TransferError,
+    TransferTimeout,
+    TransportReceiver,
+    TransportSender,
+    TransportUnavailable,
+)
 from .control import ClientCache, ControlTransfer, ingest_inputs
 from .shm import RangeAllocator
 
@@ -62,7 +71,7 @@ class NixlSender(TransportSender):
 
     def __init__(self, clients: ClientCache, region_bytes: Optional[int] = None):
         self.clients = clients
-        self.region_bytes = int(region_bytes or os.environ.get("HETSERVE_NIXL_BYTES", str(256 << 20)))
+        self.region_bytes = int(region_bytes or config.get("HETSERVE_NIXL_BYTES"))
         self._lock = threading.Lock()
         self._agent = None
         self._buf: Optional[np.ndarray] = None
