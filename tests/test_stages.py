@@ -210,8 +210,15 @@ def test_transfer_not_ok_makes_decode_recompute_at_once_and_is_counted(caplog):
     pool = FakePool(["a"])
     dec = FakeDecodeClient({"a": [([TokenChunk([11], "stop")], None)]})
     orch, m, _ = _orch(FakePrefill(transfer_ok=False), dec, pool)
-    with caplog.at_level("WARNING", logger="hetserve.orchestrator"):
-        orch.run(_req(), FakeSink())
+    import logging
+
+    lg = logging.getLogger("hetserve.orchestrator")  # logs.setup (the CLI tests) stops propagation to the root
+    lg.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="hetserve.orchestrator"):
+            orch.run(_req(), FakeSink())
+    finally:
+        lg.removeHandler(caplog.handler)
     assert dec.opened[0][1].started.kv_sent is False
     assert m.get(TRANSFER_FAILED_METRIC, reason="transfer_failed", transport="grpc") == 1
     assert "could not send the KV" in caplog.text
