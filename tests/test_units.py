@@ -91,6 +91,9 @@ def test_range_allocator():
     x, y = a.alloc(100), a.alloc(200)
     assert x == 0 and y == 128
     assert a.alloc(2000) is None
+    from hetserve.kv.transport import CapacityExhausted
+    with pytest.raises(CapacityExhausted, match=r"shm region full \(640 B free of 1024, need 2000; HETSERVE_SHM_BYTES"):
+        a.reserve(2000, "shm region", "HETSERVE_SHM_BYTES")
     a.release(x, 100)
     a.release(y, 200)
     assert a.free == [(0, 1024)]

@@ -14,13 +14,16 @@ import runpy
 import sys
 
 
+def _without_repack(p):
+    p.use_extra_bufts = False
+    return p
+
+
 def model_params():
     """llama_model_default_params() without the extra (repacked) buffer types."""
     import llama_cpp
 
-    p = llama_cpp.llama_cpp.llama_model_default_params()
-    p.use_extra_bufts = False
-    return p
+    return _without_repack(llama_cpp.llama_cpp.llama_model_default_params())
 
 
 @contextlib.contextmanager
@@ -33,9 +36,7 @@ def no_repack():
     orig = raw.llama_model_default_params
 
     def patched():
-        p = orig()
-        p.use_extra_bufts = False
-        return p
+        return _without_repack(orig())
 
     raw.llama_model_default_params = llama_cpp.llama_model_default_params = patched
     try:

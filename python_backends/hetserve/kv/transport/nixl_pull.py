@@ -29,7 +29,6 @@ import numpy as np
 
 from ... import config
 from .base import (
-    CapacityExhausted,
     PeerRefused,
     RecvState,
     TransferError,
@@ -97,10 +96,7 @@ class NixlSender(TransportSender):
     def start(self, url, request_id, hdr, payload, timeout_s):
         agent = self._ready()
         n = payload.nbytes
-        off = self._alloc.alloc(n)
-        if off is None:
-            raise CapacityExhausted(f"nixl staging buffer full ({self._alloc.free_bytes()} B free of "
-                                    f"{self.region_bytes}, need {n}; HETSERVE_NIXL_BYTES sizes it)")
+        off = self._alloc.reserve(n, "nixl staging buffer", "HETSERVE_NIXL_BYTES")
         try:
             self._buf[off:off + n] = payload.reshape(-1).view(np.uint8)
             remote = json.dumps({"agent": agent.name, "meta": self._meta_b64,

@@ -68,6 +68,14 @@ class RangeAllocator:
                     return off
         return None
 
+    def reserve(self, n: int, what: str, sized_by: str) -> int:
+        """alloc(n), or CapacityExhausted naming the region (`what`) and the setting that sizes it."""
+        off = self.alloc(n)
+        if off is None:
+            raise CapacityExhausted(f"{what} full ({self.free_bytes()} B free of {self.size}, need {n}; "
+                                    f"{sized_by} sizes it)")
+        return off
+
     def release(self, off: int, n: int) -> None:
         n = (n + self.ALIGN - 1) // self.ALIGN * self.ALIGN
         with self.lock:
@@ -131,10 +139,7 @@ class ShmSender(TransportSender):
 
         region = self._region(url)
         n = payload.nbytes
-        off = region.alloc.alloc(n)
-        if off is None:
-            raise CapacityExhausted(f"shm region full ({region.alloc.free_bytes()} B free of "
-                                    f"{self.region_bytes}, need {n}; HETSERVE_SHM_BYTES sizes it)")
+        off = region.alloc.reserve(n, "shm region", "HETSERVE_SHM_BYTES")
         try:
             shm.set_shared_memory_region(region.handle, [payload], offset=off)
             ins, p = ingest_inputs(request_id, hdr, n)
