@@ -6,6 +6,7 @@ the stand-in hands the request to the real receiver and wire.verify, exactly wha
 tests/test_transport_live.py runs the same transports between real tritonservers."""
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -106,16 +107,29 @@ def test_pool_negotiates_once_per_member_and_counts_fallbacks():
         pool.close()
 
 
-def test_pool_keeps_a_member_whose_negotiation_fails_on_grpc_only_and_asks_again():
+def test_pool_keeps_a_member_whose_negotiation_fails_on_grpc_only_and_asks_again_with_backoff():
+    calls = []
+
     def negotiate(url, timeout_s):
+        calls.append(time.monotonic())
         raise RuntimeError("kv_ingest has no op=caps")
 
-    pool = DecodePool(["d1:9001"], check=lambda u, t: 1.0, negotiate=negotiate, start=False)
+    pool = DecodePool(["d1:9001"], check=lambda u, t: 1.0, negotiate=negotiate, start=False, interval_s=0.2)
     try:
         m = pool.check_all()["d1:9001"]
         assert m.healthy and m.transports == ("grpc",) and "no op=caps" in m.transport_notes["*"]
+        pool.check_all()
+        assert len(calls) == 1  # not every round: a retry can cost timeout_s of a health worker
+        time.sleep(0.25)
+        pool.check_all()
+        assert len(calls) == 2 and pool.snapshot()["d1:9001"].negotiation_failures == 2
+        time.sleep(0.25)
+        pool.check_all()
+        assert len(calls) == 2  # second backoff is 2 x interval_s
+        time.sleep(0.2)
         pool.negotiate = lambda url, timeout_s: _Negotiated(("grpc", "shm"))  # kv_ingest came up: asked again
-        assert pool.check_all()["d1:9001"].transports == ("grpc", "shm")
+        m = pool.check_all()["d1:9001"]
+        assert m.transports == ("grpc", "shm") and m.negotiation_failures == 0
     finally:
         pool.close()
 

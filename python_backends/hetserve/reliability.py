@@ -162,6 +162,8 @@ class Member:
     failures: int = 0
     transports: Tuple[str, ...] = ()  # negotiated KV transports; () = not negotiated (yet, or since it was down)
     transport_notes: Optional[Dict[str, str]] = None  # transport -> why this pair cannot use it
+    negotiation_failures: int = 0  # in a row; a failed negotiation is retried with backoff, not every round
+    negotiate_after: float = 0.0  # time.monotonic() before which a failed negotiation is not retried
 
 
 def _read_registry(path: Optional[str]) -> List[str]:
@@ -237,6 +239,9 @@ def canary_check(url: str, timeout_s: float) -> float:
     if stream_once(url, "decode", build_inputs(None, op="canary"), timeout_s, "canary").as_numpy("token_ids") is None:
         raise RuntimeError("canary returned no token")
     return (time.perf_counter() - t0) * 1e3
+
+
+NEGOTIATION_BACKOFF_MAX_S = 60.0
 
 
 def _negotiate(url: str, timeout_s: float):
@@ -334,9 +339,18 @@ class DecodePool:
                 m.failures = 0 if ok else m.failures + 1
                 if not ok:
                     m.transports, m.transport_notes = (), None  # renegotiate when it is back
+                    m.negotiation_failures, m.negotiate_after = 0, 0.0
                 elif nego is not None:
                     m.transports, m.transport_notes = nego
                     self._fallback_logged = {k for k in self._fallback_logged if k[0] != u}
+                    if "*" in nego[1]:
+                        # each retry costs up to timeout_s of a health worker: back off, capped
+                        m.negotiation_failures += 1
+                        backoff = min(self.interval_s * 2 ** min(m.negotiation_failures - 1, 10),
+                                      NEGOTIATION_BACKOFF_MAX_S)
+                        m.negotiate_after = time.monotonic() + backoff
+                    else:
+                        m.negotiation_failures, m.negotiate_after = 0, 0.0
         snap = self.snapshot()
         if self.on_change:  # every round: membership may have changed through the registry
             self.on_change(snap)
@@ -345,20 +359,25 @@ class DecodePool:
     def _check_member(self, url: str):
         """Health check, then (first time, or after being down) the transport negotiation: (canary ms, None or
         (transports, notes)). A negotiation that fails leaves the member healthy with the baseline only, and is
-        tried again next round."""
+        tried again after a backoff (interval_s doubling, at most NEGOTIATION_BACKOFF_MAX_S)."""
         ms = self.check(url, self.timeout_s)
         with self._lock:
             m = self.members.get(url)
-            # "*" = the last negotiation failed (e.g. kv_ingest not loaded yet): grpc meanwhile, ask again
-            known = m is not None and bool(m.transports) and "*" not in (m.transport_notes or {})
-        if known:
+            # "*" = the last negotiation failed (e.g. kv_ingest not loaded yet): grpc meanwhile, ask again later
+            failed = m is not None and "*" in (m.transport_notes or {})
+            known = m is not None and bool(m.transports) and not failed
+            waiting = failed and time.monotonic() < m.negotiate_after
+            failures = m.negotiation_failures if m is not None else 0
+        if known or waiting:
             return ms, None
         try:
             n = self.negotiate(url, self.timeout_s)
             result = (tuple(n.transports) or (BASELINE_TRANSPORT,), dict(n.reasons))
         except Exception as e:
             why = f"transport negotiation failed ({type(e).__name__}: {e})"[:300]
-            log.warning("decode server %s: %s; using %s only", url, why, BASELINE_TRANSPORT)
+            # warn on the first failure only; the retries (with backoff) would repeat it every round
+            (log.warning if failures == 0 else log.debug)(
+                "decode server %s: %s; using %s only", url, why, BASELINE_TRANSPORT)
             result = ((BASELINE_TRANSPORT,), {"*": why})
         log.info("decode server %s: KV transports %s", url, ", ".join(result[0]))
         return ms, result
