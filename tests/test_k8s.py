@@ -34,6 +34,10 @@ def _grpc_only(url, timeout_s):
     would dial 10.0.0.x)."""
     return Negotiated(("grpc",))
 
+
+def _up(url, timeout_s):
+    return 1.0  # stub health check: every made-up member is up
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
@@ -64,7 +68,7 @@ class FakeDNS:
 
 def test_dns_members_follow_the_records_every_round():
     dns = FakeDNS({"hetserve-decode": ["10.0.0.2", "10.0.0.3"]})
-    pool = DecodePool([], dns="hetserve-decode:9001", resolver=dns, check=lambda u, t: 1.0, negotiate=_grpc_only, start=False)
+    pool = DecodePool([], dns="hetserve-decode:9001", resolver=dns, check=_up, negotiate=_grpc_only, start=False)
     assert sorted(pool.members) == ["10.0.0.2:9001", "10.0.0.3:9001"]
     assert pool.pick() == "10.0.0.2:9001"  # in flight on .2: its state must survive the re-resolution below
     dns.records["hetserve-decode"] = ["10.0.0.2", "10.0.0.3", "10.0.0.4"]  # HPA scaled up
@@ -81,7 +85,7 @@ def test_dns_members_follow_the_records_every_round():
 
 def test_dns_outage_keeps_the_last_answer_and_no_records_empties_the_pool():
     dns = FakeDNS({"hetserve-decode": ["10.0.0.2", "10.0.0.3"]})
-    pool = DecodePool(["10.0.0.9:9001"], dns="hetserve-decode:9001", resolver=dns, check=lambda u, t: 1.0, negotiate=_grpc_only,
+    pool = DecodePool(["10.0.0.9:9001"], dns="hetserve-decode:9001", resolver=dns, check=_up, negotiate=_grpc_only,
                       start=False)
     assert len(pool.members) == 3
     dns.error = socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
@@ -102,14 +106,14 @@ def test_dns_names_ipv6_and_dedup():
     assert _resolve_all("a:9001, b:9001,c:9001", dns) == ["10.0.0.2:9001", "[fd00::5]:9001"]
     assert _resolve_all("", dns) == [] and _resolve_all(None, dns) == []
     assert _resolve_all("a:notaport", dns) is None  # a configuration error: logged, keeps what the pool had
-    pool = DecodePool(["10.0.0.2:9001"], dns="a:9001", resolver=dns, check=lambda u, t: 1.0, negotiate=_grpc_only, start=False)
+    pool = DecodePool(["10.0.0.2:9001"], dns="a:9001", resolver=dns, check=_up, negotiate=_grpc_only, start=False)
     assert list(pool.members) == ["10.0.0.2:9001"]
     pool.close()
 
 
 def test_dns_is_re_resolved_on_the_health_interval():
     dns = FakeDNS({"hetserve-decode": ["10.0.0.2"]})
-    pool = DecodePool([], dns="hetserve-decode:9001", resolver=dns, interval_s=0.05, check=lambda u, t: 1.0, negotiate=_grpc_only)
+    pool = DecodePool([], dns="hetserve-decode:9001", resolver=dns, interval_s=0.05, check=_up, negotiate=_grpc_only)
     try:
         dns.records["hetserve-decode"] = ["10.0.0.2", "10.0.0.7"]
         wait_for(lambda: len(pool.snapshot()) == 2, 5, "the health thread to pick up the new record")
