@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from hetserve import doctor
+from hetserve import diagnostics, doctor
 
 FAST = dict(sizes=[128, 512], repeats=2, ping_n=5, prompts=["What is the capital of France?",
                                                             "List three prime numbers."])
@@ -50,25 +50,25 @@ def test_verify_kv_and_digest_local(engine_dir, prompt_ids):
     _, k, v = e.prefill(ids[:-1])
     hdr, payload = wire.encode(k, v, e.compat_hash, "fp32")
     k2, v2 = wire.decode(hdr, payload)
-    assert doctor.kv_digest(k, v) == doctor.kv_digest(k2, v2)
+    assert diagnostics.kv_digest(k, v) == diagnostics.kv_digest(k2, v2)
     k2[0, 0, 0, 0] = np.nextafter(k2[0, 0, 0, 0], np.float32(np.inf))  # one ulp anywhere changes the digest
-    assert doctor.kv_digest(k, v) != doctor.kv_digest(k2, v2)
-    r = doctor.verify_kv(e, ids, k, v)
+    assert diagnostics.kv_digest(k, v) != diagnostics.kv_digest(k2, v2)
+    r = diagnostics.verify_kv(e, ids, k, v)
     assert r["max_abs_diff"] <= doctor.THRESHOLDS["fp32"] and r["argmax_received"] == r["argmax_full"]
     with pytest.raises(ValueError, match="expected"):
-        doctor.verify_kv(e, ids + [5], k, v)
+        diagnostics.verify_kv(e, ids + [5], k, v)
 
 
 def test_versions_mismatch_between_servers_fails(engine_dir):
-    """op=info answers from two servers whose engines were built from different checkpoints -> FAIL."""
+    """admin info answers from two servers whose engines were built from different checkpoints -> FAIL."""
     from hetserve.engines.manifest import read_manifest
 
     man = read_manifest(engine_dir)
     other = dict(man, compat_hash="e" * 32, manifest_version=man["manifest_version"] + 1)
     d = doctor.Doctor("127.0.0.1:1", "127.0.0.1:2")
     d.report.sections["servers"] = {"prefill": {"triton": "2.51.0"}, "decode": {"triton": "2.51.0"}}
-    assert not d.check_versions({"prefill": doctor.server_info("prefill", man, {"prefill_fp32": "fp32"}),
-                                 "decode": doctor.server_info("decode", other, {"decode_fp32": "fp32"})})
+    assert not d.check_versions({"prefill": diagnostics.server_info("prefill", man, {"prefill_fp32": "fp32"}),
+                                 "decode": diagnostics.server_info("decode", other, {"decode_fp32": "fp32"})})
     c = _by_id(d.report)
     assert c["versions/compat_hash"].status == "FAIL" and "e" * 32 in c["versions/compat_hash"].detail
     assert c["versions/manifest"].status == "FAIL" and "manifest_version" in c["versions/manifest"].detail
@@ -148,22 +148,18 @@ def test_doctor_reports_compat_hash_mismatch(topology):
 
 
 def test_doctor_ops_bad_input(topology):
-    """Doctor ops answer bad input with clear INVALID_ARG errors; the servers stay up."""
-    from tritonclient.utils import InferenceServerException
-
-    from hetserve.client import build_inputs
-
+    """The admin ops answer bad input with clear 4xx errors (DoctorError with the server's message); the servers
+    stay up."""
     d = doctor.Doctor(topology.prefill_grpc, topology.decode_grpc)
     try:
-        with pytest.raises(InferenceServerException, match="unknown op 'nope'"):
+        with pytest.raises(doctor.DoctorError, match="unknown admin op 'nope'"):
             d._prefill("nope")
-        with pytest.raises(InferenceServerException, match="doctor_args is not valid JSON"):
-            d._client(d.prefill_url).infer("prefill", build_inputs(None, op="info", doctor_args="{oops"),
-                                           parameters=doctor.admin_parameters())
-        with pytest.raises(InferenceServerException, match="probe sizes"):
+        with pytest.raises(doctor.DoctorError, match="probe sizes"):
             d._prefill("probe_link", {"tokens": [0]})
-        with pytest.raises(InferenceServerException, match="unknown transport"):
+        with pytest.raises(doctor.DoctorError, match="unknown transport"):
             d._prefill("probe_link", {"tokens": [4], "transports": ["carrier-pigeon"]})
+        with pytest.raises(doctor.DoctorError, match="'input_ids' must be a list"):
+            d._prefill("kv_check", {"input_ids": "1 2 3"})
         with pytest.raises(doctor.DoctorError, match="no KV arrived"):
             d._decode("verify", {"timeout_s": 0.05}, request_id="hetserve-doctor/none", input_ids=[1, 2, 3])
         with pytest.raises(doctor.DoctorError, match="needs 'request_id'"):

@@ -440,26 +440,29 @@ def test_triton_251_unknown_model_on_a_decoupled_stream_reproducer(engine_dir):
 
 def test_client_cannot_choose_decode_url_or_run_admin_ops(topology):
     """A client calling `prefill` directly cannot point its KV at a decode_url of its choosing (SSRF, one shm
-    region per URL), and the doctor ops on prefill and decode need the admin key (hetserve doctor sends it)."""
+    region per URL); the doctor's ops are not on the data-plane models at all, only on each server's admin side
+    channel (loopback, admin key required)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
+    from hetserve.admin_channel import AdminClient, AdminError, default_addr
     from hetserve.client import GenerationError, build_inputs, stream_once
-    from hetserve.client import admin_parameters
+    from hetserve.server import admin_key
 
     c = grpcclient.InferenceServerClient(topology.prefill_grpc)
     with pytest.raises(InferenceServerException, match="decode_url"):
         c.infer("prefill", build_inputs(None, input_ids=[1, 2, 3], request_id="hard-ssrf",
                                         decode_url="10.9.9.9:9001"), client_timeout=30)
-    with pytest.raises(InferenceServerException, match="admin op"):
+    # the prefill model has no `op` input any more: Triton itself refuses it
+    with pytest.raises(InferenceServerException, match="unexpected inference input 'op'"):
         c.infer("prefill", build_inputs(None, op="info"), client_timeout=30)
-    assert c.infer("prefill", build_inputs(None, op="info"), client_timeout=30,
-                   parameters=admin_parameters()).as_numpy("doctor_json") is not None
-    with pytest.raises(InferenceServerException, match="admin op"):
-        c.infer("prefill", build_inputs(None, op="info"), client_timeout=30,
-                parameters={"hetserve_admin_key": "wrong"})
     c.close()
-    with pytest.raises(GenerationError, match="admin op"):
+    with pytest.raises(GenerationError, match="admin side channel"):
         stream_once(topology.decode_grpc, "decode", build_inputs(None, op="info"), 30)
-    assert stream_once(topology.decode_grpc, "decode", build_inputs(None, op="info"), 30,
-                       parameters=admin_parameters()).as_numpy("doctor_json") is not None
+    for url, role in ((topology.prefill_grpc, "prefill"), (topology.decode_grpc, "decode")):
+        addr = default_addr(url)
+        assert addr.startswith("127.0.0.1:")  # loopback, like every port of a default launch
+        assert AdminClient(addr, admin_key()).call("info")["role"] == role
+        with pytest.raises(AdminError, match="admin key") as e:
+            AdminClient(addr, "wrong").call("info")
+        assert e.value.status == 401

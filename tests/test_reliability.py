@@ -234,13 +234,31 @@ def _pool_healthy(cluster, n):
     wait_for(ok, 30, f"{n} healthy decode servers in the orchestrator's pool")
 
 
-def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids, reference_tokens):
+TRANSPORTS = ("grpc", "shm", "nixl")  # every KV transport of the CPU build (issue 14: reliability over all three)
+
+
+def _transport_counters(cluster, transport):
+    m = scrape(cluster.prefill_metrics)
+    return (total(m, "hetserve_kv_transfer_bytes_total", transport=transport),
+            total(m, "hetserve_kv_transport_fallbacks_total", requested=transport))
+
+
+def _assert_kv_went_over(cluster, transport, before):
+    """The KV of these streams really crossed on `transport`: bytes counted for it, no fallback away from it."""
+    wait_for(lambda: _transport_counters(cluster, transport)[0] > before[0], 10,
+             f"KV bytes counted on {transport}")
+    assert _transport_counters(cluster, transport)[1] == before[1], f"requests asking for {transport} fell back"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids, reference_tokens, transport):
     _pool_healthy(cluster, 2)
     prompts = PROMPTS[:4]
     started = {p: 0 for p in prompts}
     mig0 = _metric(cluster.prefill_metrics, "hetserve_migrations_total")
+    kv0 = _transport_counters(cluster, transport)
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
-        futs = {p: ex.submit(_stream, cluster.prefill_grpc, prompt_ids[p],
+        futs = {p: ex.submit(_stream, cluster.prefill_grpc, prompt_ids[p], transport=transport,
                              on_token=lambda n, p=p: started.__setitem__(p, n)) for p in prompts}
         wait_for(lambda: min(started.values()) >= 8, 60, "all streams to be 8 tokens in")
         time.sleep(0.4)  # let a snapshot round land
@@ -256,9 +274,10 @@ def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids
     survivor = cluster.decode_metrics(1)
     restores = _metric(survivor, "hetserve_snapshot_restores_total")
     recomputes = _metric(survivor, "hetserve_kv_recompute_total", reason="resume")
-    print(f"\nkill -9 mid-stream: {len(prompts)} streams, {migrated:.0f} migrated, "
+    print(f"\nkill -9 mid-stream ({transport} KV): {len(prompts)} streams, {migrated:.0f} migrated, "
           f"{restores:.0f} resumed from snapshots, {recomputes:.0f} by recompute, 0 lost")
     assert migrated >= 1 and restores + recomputes >= migrated
+    _assert_kv_went_over(cluster, transport, kv0)
     # every stream had a snapshot when the server died, so every migrated one must resume from it: a broken
     # snapshot path must not hide behind recompute
     assert snapshotted >= len(prompts), f"only {snapshotted} snapshot files for {len(prompts)} running streams"
@@ -270,14 +289,16 @@ def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids
     _pool_healthy(cluster, 2)
 
 
-def test_hung_decode_server_is_routed_around(cluster, prompt_ids, reference_tokens):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_hung_decode_server_is_routed_around(cluster, prompt_ids, reference_tokens, transport):
     _pool_healthy(cluster, 2)
     prompts = PROMPTS[4:8]
     started = {p: 0 for p in prompts}
     proc = cluster.decode[1].proc
+    kv0 = _transport_counters(cluster, transport)
     try:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
-            futs = {p: ex.submit(_stream, cluster.prefill_grpc, prompt_ids[p],
+            futs = {p: ex.submit(_stream, cluster.prefill_grpc, prompt_ids[p], transport=transport,
                                  on_token=lambda n, p=p: started.__setitem__(p, n)) for p in prompts}
             wait_for(lambda: min(started.values()) >= 4, 60, "streams to start")
             os.killpg(proc.pid, signal.SIGSTOP)  # alive but unresponsive: the hard case
@@ -288,8 +309,9 @@ def test_hung_decode_server_is_routed_around(cluster, prompt_ids, reference_toke
         wait_for(lambda: _metric(cluster.prefill_metrics, "hetserve_decode_servers", state="down") >= 1, 30,
               "the health check to mark the hung server down")
         t0 = time.time()
-        toks, _, err = _stream(cluster.prefill_grpc, prompt_ids[PROMPTS[8]])  # new work avoids it at once
+        toks, _, err = _stream(cluster.prefill_grpc, prompt_ids[PROMPTS[8]], transport=transport)  # avoids it at once
         assert err is None and toks == reference_tokens[PROMPTS[8]][:N_TOK] and time.time() - t0 < 15
+        _assert_kv_went_over(cluster, transport, kv0)
     finally:
         os.killpg(proc.pid, signal.SIGCONT)
     _pool_healthy(cluster, 2)  # half a minute at most to come back
@@ -443,7 +465,7 @@ def _soak(cluster, prompt_ids, seconds):
             if r < 0.6:
                 toks, _, err = _stream(cluster.prefill_grpc, rng.choice(ids), max_tokens=rng.randint(1, 24),
                                        kv_dtype=rng.choice(["fp32", "fp16", "int8"]),
-                                       transport=rng.choice(["grpc", "shm"]))
+                                       transport=rng.choice(TRANSPORTS))
                 done["ok" if err is None else "err"] += 1
             elif r < 0.8:
                 from hetserve.client import stream

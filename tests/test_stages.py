@@ -417,8 +417,8 @@ def test_ops_dispatch(stage):
     stage.handle(DecodeCall("bogus"), r)
     assert r.sent[0][0] == "error" and "unknown op 'bogus'" in str(r.sent[0][1])
     r = FakeReply()
-    stage.handle(DecodeCall("info"), r)  # admin op without the key
-    assert isinstance(r.sent[0][1], errors.RequestError) and "admin op" in str(r.sent[0][1])
+    stage.handle(DecodeCall("info"), r)  # an admin op: not on the data plane at all
+    assert isinstance(r.sent[0][1], errors.RequestError) and "admin side channel" in str(r.sent[0][1])
     r = FakeReply()
     stage.handle(DecodeCall("canary"), r)
     assert r.sent == [("tokens", [7], None)]
@@ -468,13 +468,27 @@ def test_malformed_tensors_are_refused_and_free_pending_kv(stage):
     assert isinstance(r.sent[0][1], errors.RequestError) and len(stage.pending) == 0
 
 
+def test_admin_ops_are_plain_callables_for_the_side_channel(stage):
+    ops = stage.admin_ops()
+    assert sorted(ops) == ["info", "verify"]
+    for bad in ({}, {"request_id": "x"}, {"request_id": "x", "input_ids": [1]}, {"request_id": 3, "input_ids": [1, 2]},
+                {"request_id": "x", "input_ids": ["a", "b"]}):
+        with pytest.raises(errors.RequestError, match="verify needs"):
+            ops["verify"](bad)
+    t0 = time.monotonic()
+    with pytest.raises(errors.RequestError, match="no KV arrived for request 'x' within 0.05s"):
+        ops["verify"]({"request_id": "x", "input_ids": [1, 2], "timeout_s": 0.05})
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(errors.RequestError, match="not loaded"):
+        ops["verify"]({"request_id": "x", "input_ids": [1, 2], "precision": "int8"})
+
+
 def test_call_from_tensors_reads_the_schema():
     t = {"op": schema.array("op", "generate"), "request_id": schema.array("request_id", "q"),
          "input_ids": schema.array("input_ids", [1, 2]), "output_ids": schema.array("output_ids", [3]),
          "kv_sent": schema.array("kv_sent", False), "stop_token_ids": schema.array("stop_token_ids", [-1])}
-    c = call_from_tensors(t, is_admin=True)
-    assert (c.op, c.request_id, c.prompt, c.output_ids, c.kv_sent, c.is_admin) == ("generate", "q", [1, 2], [3],
-                                                                                  False, True)
+    c = call_from_tensors(t)
+    assert (c.op, c.request_id, c.prompt, c.output_ids, c.kv_sent) == ("generate", "q", [1, 2], [3], False)
     assert c.params.max_tokens == schema.INPUTS["max_tokens"].default
     assert call_from_tensors({}).op == "generate"
     assert call_from_tensors({"op": schema.array("op", "stats")}).params is None

@@ -185,7 +185,7 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
     spec = ServerSpec(args.role, args.http_port, args.grpc_port, args.metrics_port, _engine_dir(args),
                       model_repository=args.model_repository or default_model_repository(), env=env,
-                      host=bind_host(args.host))
+                      host=bind_host(args.host), admin_port=getattr(args, "admin_port", None))
     try:
         p = TritonProcess(spec).start()
     except ServerError as e:
@@ -273,6 +273,8 @@ def main(argv=None) -> int:
     s.add_argument("--triton-url", default="127.0.0.1:8001", help="--role openai: prefill server gRPC host:port")
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--admin-port", type=int, help="admin side channel of hetserve doctor (default: gRPC port + 2; "
+                   "loopback unless HETSERVE_ADMIN_BIND)")
     s.add_argument("--host", help="address to bind (default 127.0.0.1 or HETSERVE_BIND; containers: 0.0.0.0)")
     s.add_argument("--decode-url", help="decode server gRPC host:port (comma list for a pool)")
     s.set_defaults(fn=cmd_serve)
@@ -286,6 +288,10 @@ def main(argv=None) -> int:
     d.add_argument("--prefill-url", default="127.0.0.1:8001", help="prefill server gRPC host:port")
     d.add_argument("--decode-url", default="127.0.0.1:9001", help="decode server gRPC host:port")
     d.add_argument("--link-url", help="decode server as the prefill server reaches it (default: --decode-url)")
+    d.add_argument("--prefill-admin", help="prefill server's admin side channel host:port (default: the "
+                   "--prefill-url host, gRPC port + 2, as hetserve's launchers bind it)")
+    d.add_argument("--decode-admin", help="decode server's admin side channel host:port (default: the "
+                   "--decode-url host, gRPC port + 2)")
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.add_argument("--sizes", type=int, nargs="+", default=[128, 512, 2048], help="link probe sizes (KV tokens)")
     d.add_argument("--repeats", type=int, default=3, help="timed transfers per size and transport")

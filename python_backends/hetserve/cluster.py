@@ -423,4 +423,4 @@ def decode_op(url: str, op: str = "stats", timeout_s: float = 10.0) -> dict:
     from .client import build_inputs, stream_once
 
     r = stream_once(url, "decode", build_inputs(None, op=op), timeout_s, op)
-    return json.loads(bytes(r.as_numpy("doctor_json").reshape(-1)[0]))
+    return json.loads(bytes(r.as_numpy("op_json").reshape(-1)[0]))

@@ -69,6 +69,12 @@ _VARS: List[Var] = [
     Var("HETSERVE_ADMIN_KEY", str, None, "deployment admin key for admin APIs/ops; unset: the local key file",
         secret=True),
     Var("HETSERVE_ADMIN_KEY_FILE", str, None, "local admin key file; unset: <repo>/.hetserve/run/admin-key"),
+    Var("HETSERVE_ADMIN_BIND", str, None, "address of the admin side channels; unset: the server's, loopback "
+        "if that is 0.0.0.0 / ::"),
+    Var("HETSERVE_PREFILL_ADMIN", str, None, "prefill model's admin side channel host:port (the launcher sets "
+        "it: gRPC port + 2); unset/off: none"),
+    Var("HETSERVE_DECODE_ADMIN", str, None, "decode model's admin side channel host:port (the launcher sets "
+        "it: gRPC port + 2); unset/off: none"),
     Var("HETSERVE_KV_KEY", str, None, "HMAC key of KV transfers; unset: derived from the admin key", secret=True),
     Var("HETSERVE_THREADS", int, 0, "onnxruntime intra-op threads; 0: onnxruntime's choice (launcher: pinned cores)",
         min=0),

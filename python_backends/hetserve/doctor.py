@@ -2,7 +2,7 @@
 
 Sections (each check prints PASS, WARN, FAIL or SKIP; the exit code is 1 when any check FAILs):
   servers    both servers reachable and ready; Triton version from the server metadata
-  precision  what each server can run (fp32/fp16/bf16/int8/fp8), asked of the server itself (`op=info`)
+  precision  what each server can run (fp32/fp16/bf16/int8/fp8), asked of the server itself (admin `info`)
   versions   compat hash, manifest, wire format and engine agreement between prefill and decode
   latency    ping-pong p50/p99: client -> prefill, client -> decode, prefill -> decode (measured on prefill)
   link       KV-sized synthetic transfers pushed by the prefill server through each transport into decode's
@@ -12,348 +12,32 @@ Sections (each check prints PASS, WARN, FAIL or SKIP; the exit code is 1 when an
              and returns a digest (fp32 must be bit-exact) and its next-token logits from the received KV vs a
              full recompute of the prompt (max |diff| per dtype; int8: argmax agreement)
 
-The module has two halves: the client (Doctor, format_text) and the helpers the Triton models call for their
-doctor ops (prefill: info|ping|ping_decode|probe_link|kv_check, decode: info|verify, kv_ingest: ping and
-discarding PROBE_PREFIX transfers). Nothing here imports Triton's python backend.
+This module is the client half (Doctor, Report, format_text, main); what the servers run for it is
+diagnostics.py, reached over each server's admin side channel (admin_channel.py: loopback by default, admin key
+required), never through the data-plane models. Nothing here imports Triton's python backend.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import platform
 import re
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .client import admin_parameters
-from .kv import wire
+from .admin_channel import AdminClient, AdminError, default_addr
+from .diagnostics import CHECK_PREFIX, DEFAULT_SIZES, PRECISIONS, PROBE_PREFIX, kv_digest, stats  # noqa: F401
 from .kv.transport.registry import CPU_NAMES as CPU_TRANSPORTS  # link/kv probes by default: grpc, shm, nixl
 
-PROBE_PREFIX = "hetserve-probe/"  # kv_ingest verifies and discards transfers whose request id starts with this
-CHECK_PREFIX = "hetserve-doctor/"  # correctness transfers: normal path into decode's pending KV, taken by op=verify
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
-TRT_MIN_SM = {"fp32": 0, "fp16": 53, "int8": 61, "bf16": 80, "fp8": 89}  # TensorRT support by compute capability
 # max |logit diff| (received KV vs full recompute on decode); int8 also needs argmax agreement (or a near tie)
 THRESHOLDS = {"fp32": 1e-4, "fp16": 1e-2, "int8": 1.5}
-DEFAULT_SIZES = (128, 512, 2048)  # KV of this many tokens per link probe
 DEFAULT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")
 
 
 class DoctorError(RuntimeError):
     pass
-
-
-# ---------------------------------------------------------------------------------------------------------
-# server side: called from the Triton models' doctor ops
-# ---------------------------------------------------------------------------------------------------------
-def kv_digest(k: np.ndarray, v: np.ndarray) -> str:
-    """sha256 (128 bits) of K then V as C-contiguous float32 bytes: equal digests == bit-identical KV."""
-    h = hashlib.sha256()
-    for a in (k, v):
-        h.update(memoryview(np.ascontiguousarray(a, dtype=np.float32)).cast("B"))
-    return h.hexdigest()[:32]
-
-
-def stats(secs: Sequence[float]) -> dict:
-    if not secs:
-        return {"n": 0}
-    a = np.asarray(secs, dtype=np.float64)
-    return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50) * 1e3), "p99_ms": float(np.percentile(a, 99) * 1e3),
-            "min_ms": float(a.min() * 1e3), "max_ms": float(a.max() * 1e3)}
-
-
-def _cuda_devices() -> List[dict]:
-    try:
-        from cuda.bindings import runtime as cudart  # type: ignore
-
-        err, n = cudart.cudaGetDeviceCount()
-        if int(err) != 0:
-            return []
-        out = []
-        for i in range(n):
-            _, p = cudart.cudaGetDeviceProperties(i)
-            name = p.name.decode(errors="replace") if isinstance(p.name, bytes) else str(p.name)
-            out.append({"index": i, "name": name.rstrip("\x00"), "sm": p.major * 10 + p.minor})
-        return out
-    except Exception:
-        return []
-
-
-@lru_cache(maxsize=1)
-def runtime_info() -> dict:
-    info = {"python": platform.python_version(), "numpy": np.__version__, "onnxruntime": None, "providers": [],
-            "tensorrt": None, "cuda_devices": _cuda_devices()}
-    try:
-        import onnxruntime as ort
-
-        info["onnxruntime"] = ort.__version__
-        info["providers"] = list(ort.get_available_providers())
-    except ImportError:
-        pass
-    try:
-        import tensorrt  # type: ignore
-
-        info["tensorrt"] = tensorrt.__version__
-    except Exception:
-        pass
-    return info
-
-
-def _ort_probe(prec: str) -> tuple:
-    """Build and run a tiny MatMul(+Softmax) graph computing in `prec` on this process's onnxruntime.
-    Returns (ok, providers or reason)."""
-    try:
-        import onnxruntime as ort
-        from onnx import TensorProto as TP, helper as oh
-    except ImportError as e:
-        return False, f"cannot probe: {e}"
-    F = TP.FLOAT
-    rng = np.random.default_rng(0)
-    if prec == "int8":
-        nodes = [oh.make_node("MatMulInteger", ["a", "b"], ["y32"]), oh.make_node("Cast", ["y32"], ["y"], to=F)]
-        ins = [oh.make_tensor_value_info(n, TP.INT8, [4, 8] if n == "a" else [8, 4]) for n in ("a", "b")]
-        feeds = {"a": rng.integers(-8, 8, (4, 8)).astype(np.int8), "b": rng.integers(-8, 8, (8, 4)).astype(np.int8)}
-        want = feeds["a"].astype(np.float32) @ feeds["b"].astype(np.float32)
-        tol = 0.0
-    else:
-        dt = {"fp32": F, "fp16": TP.FLOAT16, "bf16": TP.BFLOAT16, "fp8": TP.FLOAT8E4M3FN}[prec]
-        nodes = [oh.make_node("Cast", ["a"], ["a_"], to=dt), oh.make_node("Cast", ["b"], ["b_"], to=dt),
-                 oh.make_node("MatMul", ["a_", "b_"], ["m"]), oh.make_node("Cast", ["m"], ["y"], to=F)]
-        ins = [oh.make_tensor_value_info(n, F, [4, 8] if n == "a" else [8, 4]) for n in ("a", "b")]
-        feeds = {"a": rng.uniform(-1, 1, (4, 8)).astype(np.float32), "b": rng.uniform(-1, 1, (8, 4)).astype(np.float32)}
-        want = feeds["a"] @ feeds["b"]
-        tol = {"fp32": 1e-5, "fp16": 2e-2, "bf16": 0.1, "fp8": 0.5}[prec]
-    g = oh.make_graph(nodes, f"probe_{prec}", ins, [oh.make_tensor_value_info("y", F, [4, 4])])
-    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 21)])
-    m.ir_version = 10
-    provs = [p for p in ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
-             if p in ort.get_available_providers()]
-    try:
-        so = ort.SessionOptions()
-        so.log_severity_level = 4
-        s = ort.InferenceSession(m.SerializeToString(), so, providers=provs)
-        got = s.run(None, feeds)[0]
-    except Exception as e:
-        msg = re.sub(r"\[ONNXRuntimeError\] : \d+ : ", "", str(e).split("\n")[0])
-        if msg.startswith("NOT_IMPLEMENTED"):
-            msg = f"no {prec} MatMul kernel"
-        elif "Type Error" in msg:
-            msg = f"ONNX MatMul does not take {prec} inputs"
-        return False, f"onnxruntime {'/'.join(provs)}: {msg[:120]}"
-    err = float(np.abs(got - want).max())
-    if err > tol:
-        return False, f"onnxruntime {'/'.join(s.get_providers())}: result off by {err:.3g}"
-    return True, f"onnxruntime {'/'.join(s.get_providers())}"
-
-
-@lru_cache(maxsize=1)
-def precision_support() -> Dict[str, dict]:
-    """Per precision: can this process compute in it, and via what (or why not)."""
-    rt = runtime_info()
-    devs = rt["cuda_devices"] if rt["tensorrt"] else []
-    out = {}
-    for p in PRECISIONS:
-        ok, how = _ort_probe(p)
-        via, why = ([how] if ok else []), ([] if ok else [how])
-        if devs:
-            sm = max(d["sm"] for d in devs)
-            if sm >= TRT_MIN_SM[p]:
-                via.append(f"tensorrt {rt['tensorrt']} (sm_{sm})")
-            else:
-                why.append(f"tensorrt needs sm >= {TRT_MIN_SM[p]}, GPU is sm_{sm}")
-        elif p in ("bf16", "fp8"):
-            why.append(f"no TensorRT + CUDA GPU here (needs sm >= {TRT_MIN_SM[p]})")
-        out[p] = {"supported": bool(via), "via": "; ".join(via), "reason": "" if via else "; ".join(why)}
-    return out
-
-
-def server_info(role: str, manifest: dict, loaded: Dict[str, str], **extra) -> dict:
-    """The `op=info` answer. loaded: engine name -> precision of the engines this server runs."""
-    c = manifest["config"]
-    L, H, D = c["num_layers"], c["num_kv_heads"], c["head_dim"]
-    per_tok = {dt: wire.payload_nbytes(dt, L, H, 2, D) - wire.payload_nbytes(dt, L, H, 1, D) for dt in wire.DTYPES}
-    return {
-        "role": role, "compat_hash": manifest["compat_hash"], "manifest_version": manifest.get("manifest_version"),
-        "builder": manifest.get("build_key", {}).get("builder"), "built_at": manifest.get("built_at"),
-        "source_hash": manifest.get("source_hash"), "model": c.get("name"), "kv_layout": manifest.get("kv_layout"),
-        "wire_version": wire.WIRE_VERSION, "kv_wire_dtypes": sorted(wire.DTYPES), "kv_bytes_per_token": per_tok,
-        "engines": {n: {"precision": e.get("precision"), "backend": e.get("backend"),
-                        "sha256": (e.get("sha256") or "")[:16], "quality": e.get("quality")}
-                    for n, e in manifest["engines"].items()},
-        "kv_quality": manifest.get("kv_quality"),
-        "loaded": dict(loaded), "runtime": runtime_info(), "precision": precision_support(), **extra}
-
-
-def synthetic_kv(cfg, tokens: int, seed: int = 0):
-    shape = (cfg.num_layers, cfg.num_kv_heads, tokens, cfg.head_dim)
-    rng = np.random.default_rng(seed + tokens)
-    return rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32)
-
-
-def probe_link(sender, url: str, transports: Sequence[str], compat_hash: str, cfg, tokens: Sequence[int],
-               repeats: int = 3, kv_dtype: str = "fp16", timeout_s: float = 30.0, corrupt: bool = False,
-               warmup: bool = True) -> dict:
-    """Push synthetic KV of each size through each transport to kv_ingest (which verifies and discards it);
-    one untimed 1-token warm-up transfer per transport (connection, shm registration), then `repeats` timed
-    ones. corrupt=True flips a payload byte after encoding (the receiver must refuse it)."""
-    if kv_dtype not in wire.DTYPES:
-        raise ValueError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")
-    from .kv.transport import TRANSPORTS
-
-    if not transports or any(t not in TRANSPORTS for t in transports):
-        raise ValueError(f"unknown transport in {list(transports)}; use {list(TRANSPORTS)}")
-    if not 1 <= repeats <= 100:
-        raise ValueError("repeats must be in [1, 100]")
-    bad = [t for t in tokens if not 1 <= int(t) <= cfg.max_position]
-    if not tokens or bad:
-        raise ValueError(f"probe sizes must be token counts in [1, {cfg.max_position}], got {list(tokens)}")
-
-    def rid():
-        return f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
-
-    results, failed = [], set()
-    warm_hdr, warm_payload = wire.encode(*synthetic_kv(cfg, 1), compat_hash, kv_dtype)
-    for tr in transports if warmup else ():
-        try:
-            sender.send(url, tr, rid(), warm_hdr, warm_payload, timeout_s)
-        except Exception as e:
-            results.append({"transport": tr, "tokens": 1, "bytes": int(warm_payload.nbytes), "seconds": [],
-                            "error": str(e)})
-            failed.add(tr)
-    for T in tokens:
-        hdr, payload = wire.encode(*synthetic_kv(cfg, int(T)), compat_hash, kv_dtype)
-        if corrupt:
-            payload[len(payload) // 2] ^= 0xFF  # the header's tag no longer matches
-        for tr in transports:
-            if tr in failed:
-                continue
-            row = {"transport": tr, "tokens": int(T), "kv_dtype": kv_dtype, "bytes": int(payload.nbytes),
-                   "seconds": [], "transport_used": []}
-            try:
-                for _ in range(repeats):
-                    info = sender.send(url, tr, rid(), hdr, payload, timeout_s)
-                    row["seconds"].append(float(info["seconds"]))
-                    if info["transport"] not in row["transport_used"]:
-                        row["transport_used"].append(info["transport"])
-            except Exception as e:
-                row["error"] = str(e)
-                failed.add(tr)
-            if row["seconds"]:
-                med = float(np.median(row["seconds"]))
-                row.update(stats(row["seconds"]), gbps=payload.nbytes / med / 1e9, mbps=payload.nbytes / med / 1e6)
-            results.append(row)
-        del payload
-    return {"url": url, "results": results}
-
-
-def ping_decode(client, n: int = 20, timeout_s: float = 10.0) -> dict:
-    """n empty round trips to the decode server's kv_ingest (op=ping) over gRPC."""
-    import tritonclient.grpc as grpcclient
-
-    op = grpcclient.InferInput("op", [1], "BYTES")
-    op.set_data_from_numpy(np.array([b"ping"], dtype=np.object_))
-    secs = []
-    for _ in range(max(1, min(int(n), 1000))):
-        t0 = time.perf_counter()
-        client.infer("kv_ingest", [op], client_timeout=timeout_s)
-        secs.append(time.perf_counter() - t0)
-    return stats(secs)
-
-
-def kv_check(engine, sender, url: str, transport: str, kv_dtype: str, ids: List[int], compat_hash: str,
-             timeout_s: float = 30.0) -> dict:
-    """Prefill ids[:-1], encode the KV in kv_dtype and send it (normal path) to decode under a CHECK_PREFIX id.
-    Returns the digests decode's op=verify must reproduce: `digest_source` (the prefill KV itself) and
-    `digest_wire` (what the wire dtype decodes to; equal to the source for fp32)."""
-    if len(ids) < 2:
-        raise ValueError("kv_check needs a prompt of >= 2 tokens")
-    if kv_dtype not in wire.DTYPES:
-        raise ValueError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")
-    _, k, v = engine.prefill(ids[:-1])
-    hdr, payload = wire.encode(k, v, compat_hash, kv_dtype)
-    out = {"request_id": f"{CHECK_PREFIX}{uuid.uuid4().hex[:12]}", "input_ids": [int(i) for i in ids],
-           "kv_tokens": len(ids) - 1, "kv_dtype": kv_dtype, "transport": transport, "bytes": int(payload.nbytes),
-           "mac": hdr.mac[:16], "digest_source": kv_digest(k, v), "digest_wire": kv_digest(*wire.decode(hdr, payload))}
-    try:
-        info = sender.send(url, transport, out["request_id"], hdr, payload, timeout_s)
-        out.update(seconds=info["seconds"], transport_used=info["transport"])
-    except Exception as e:
-        out["error"] = str(e)
-    return out
-
-
-def verify_kv(engine, prompt: List[int], k: np.ndarray, v: np.ndarray) -> dict:
-    """Decode side: next-token logits from the received KV (KV of prompt[:-1], then prompt[-1]) vs a full
-    recompute of the prompt on the same engine."""
-    if k.shape[2] != len(prompt) - 1:
-        raise ValueError(f"received KV holds {k.shape[2]} tokens, expected {len(prompt) - 1} (prompt minus one)")
-    recv = engine.prefill(prompt[-1:], k, v)[0]
-    full = engine.prefill(prompt)[0]
-    a, b = int(np.argmax(recv)), int(np.argmax(full))
-    return {"digest": kv_digest(k, v), "kv_tokens": int(k.shape[2]), "engine": engine.name,
-            "precision": engine.precision, "max_abs_diff": float(np.abs(recv - full).max()),
-            "argmax_received": a, "argmax_full": b,
-            "top1_gap": float(full[b] - full[a])}  # 0 when they agree; small when a near tie flipped
-
-
-PREFILL_OPS = ("info", "ping", "ping_decode", "probe_link", "kv_check")
-
-
-def prefill_op(model, op: str, args: dict, url: str, transport: str, kv_dtype: str, ids: List[int]) -> dict:
-    """The prefill model's doctor ops. model: the prefill TritonPythonModel (engine, sender, defaults)."""
-    eng = model.engine
-    compat = args.get("compat_hash") or eng.compat_hash
-    timeout_s = float(args.get("timeout_s", 30.0))
-    if op == "info":
-        return server_info("prefill", eng.manifest, {eng.name: eng.precision},
-                           defaults={"decode_url": model.default_url, "transport": model.default_transport,
-                                     "kv_dtype": model.default_kv_dtype})
-    if op == "ping":
-        return {"pong": True}
-    if op == "ping_decode":  # empty round trips, then 1-token KV round trips per transport (the real KV path)
-        n = max(1, min(int(args.get("n", 20)), 100))
-        out = {"url": url, "empty": ping_decode(model.sender.client(url), n, timeout_s), "kv_1token": {}}
-        if args.get("transports"):
-            r = probe_link(model.sender, url, args["transports"], compat, eng.config, [1], n, kv_dtype, timeout_s)
-            out["kv_1token"] = {row["transport"]: row for row in r["results"]}
-        return out
-    if op == "probe_link":
-        return probe_link(model.sender, url, args.get("transports") or [transport], compat, eng.config,
-                          [int(t) for t in args.get("tokens") or DEFAULT_SIZES], int(args.get("repeats", 3)),
-                          kv_dtype, timeout_s, bool(args.get("corrupt", False)), bool(args.get("warmup", True)))
-    if op == "kv_check":
-        if not ids:
-            if not args.get("prompt"):
-                raise ValueError("kv_check needs 'input_ids' or doctor_args {\"prompt\": text}")
-            from .triton.common import tokenizer  # only inside the prefill server
-
-            tok = tokenizer()
-            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": str(args["prompt"])}]))
-        bad = [i for i in ids if not 0 <= i < eng.config.vocab_size]
-        if bad or len(ids) >= eng.config.max_position:
-            raise ValueError(f"kv_check prompt: token ids must be in [0, {eng.config.vocab_size}) and fewer than "
-                             f"{eng.config.max_position}")
-        return kv_check(eng, model.sender, url, transport, kv_dtype, ids, compat, timeout_s)
-    raise ValueError(f"unknown op {op!r}; use 'prefill' or one of {list(PREFILL_OPS)}")
-
-
-def parse_args_json(raw: Optional[str]) -> dict:
-    """doctor_args input: a JSON object (or empty)."""
-    if not raw:
-        return {}
-    try:
-        d = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"doctor_args is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError("doctor_args must be a JSON object")
-    return d
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -377,7 +61,7 @@ class Report:
     prefill_url: str
     decode_url: str
     checks: List[Check] = field(default_factory=list)
-    sections: Dict[str, object] = field(default_factory=dict)
+    sections: Dict[str, Any] = field(default_factory=dict)  # section -> its JSON (shapes vary)
     seconds: float = 0.0
 
     @property
@@ -408,8 +92,13 @@ class Doctor:
                  sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 3, transports: Sequence[str] = CPU_TRANSPORTS,
                  probe_dtype: str = "fp16", kv_dtypes: Sequence[str] = ("fp32", "fp16", "int8"),
                  prompts: Sequence[str] = DEFAULT_PROMPTS, ping_n: int = 20, timeout_s: float = 10.0,
-                 probe_compat_hash: Optional[str] = None, log=None):
+                 probe_compat_hash: Optional[str] = None, log=None, prefill_admin: Optional[str] = None,
+                 decode_admin: Optional[str] = None):
         self.prefill_url, self.decode_url = prefill_url, decode_url
+        # the servers' admin side channels (admin_channel.py); default: the launchers' gRPC port + 2
+        self.prefill_admin = prefill_admin or default_addr(prefill_url)
+        self.decode_admin = decode_admin or default_addr(decode_url)
+        self._admins: Dict[str, AdminClient] = {}
         self.link_url = link_url or decode_url  # the decode server as the prefill server reaches it
         self.sizes, self.repeats, self.transports = list(sizes), int(repeats), list(transports)
         self.probe_dtype, self.kv_dtypes, self.prompts = probe_dtype, list(kv_dtypes), list(prompts)
@@ -441,19 +130,24 @@ class Doctor:
         self.log(format_check(c))
         return c
 
-    def _inputs(self, op, args, params):
-        from .client import build_inputs
+    def _admin(self, role: str) -> AdminClient:
+        if role not in self._admins:
+            from .server import admin_key
 
-        return build_inputs(None, op=op, doctor_args=json.dumps(args or {}), **params)
+            addr = self.prefill_admin if role == "prefill" else self.decode_admin
+            self._admins[role] = AdminClient(addr, admin_key(), self.timeout_s)
+        return self._admins[role]
+
+    def _call(self, role: str, op: str, args: Optional[dict], timeout_s: Optional[float], params: dict) -> dict:
+        """One admin op on `role`'s admin side channel; params (decode_url, transport, kv_dtype, request_id,
+        input_ids) travel in the same JSON object as the op's own arguments."""
+        try:
+            return self._admin(role).call(op, {**(args or {}), **params}, timeout_s or self.timeout_s)
+        except AdminError as e:
+            raise DoctorError(str(e)) from None
 
     def _prefill(self, op, args=None, timeout_s=None, **params) -> dict:
-        r = self._client(self.prefill_url).infer("prefill", self._inputs(op, args, params),
-                                                 client_timeout=timeout_s or self.timeout_s,
-                                                 parameters=admin_parameters())
-        out = r.as_numpy("doctor_json")
-        if out is None:
-            raise DoctorError(f"prefill op={op}: response has no doctor_json (server too old for doctor?)")
-        return json.loads(out.reshape(-1)[0])
+        return self._call("prefill", op, args, timeout_s, params)
 
     def _kv_ingest_ping(self):
         import tritonclient.grpc as grpcclient
@@ -463,21 +157,7 @@ class Doctor:
         self._client(self.decode_url).infer("kv_ingest", [op], client_timeout=self.timeout_s)
 
     def _decode(self, op, args=None, timeout_s=None, **params) -> dict:
-        """One request to the decoupled `decode` model over a gRPC stream; its single final response."""
-        from .client import stream_once
-
-        t = timeout_s or self.timeout_s
-        try:
-            r = stream_once(self.decode_url, "decode", self._inputs(op, args, params), t,
-                            parameters=admin_parameters())
-        except TimeoutError:
-            raise DoctorError(f"decode op={op}: no response within {t:.0f}s") from None
-        except Exception as e:
-            raise DoctorError(f"decode op={op}: {_err(e)}") from None
-        out = r.as_numpy("doctor_json")
-        if out is None:
-            raise DoctorError(f"decode op={op}: response has no doctor_json (server too old for doctor?)")
-        return json.loads(out.reshape(-1)[0])
+        return self._call("decode", op, args, timeout_s, params)
 
     def _ping(self, fn) -> dict:
         secs = []
@@ -524,7 +204,7 @@ class Doctor:
             try:
                 info = self._prefill("info") if role == "prefill" else self._decode("info")
             except Exception as e:
-                self._add("precision", role, "FAIL", f"{role} op=info failed: {_err(e)}")
+                self._add("precision", role, "FAIL", f"{role} admin info failed: {_err(e)}")
                 continue
             infos[role] = info
             self.report.sections.setdefault("precision", {})[role] = info
@@ -543,7 +223,7 @@ class Doctor:
     def check_versions(self, infos) -> bool:
         srv = self.report.sections.get("servers", {})
         if set(infos) != {"prefill", "decode"}:
-            self._add("versions", "agreement", "SKIP", "needs op=info from both servers")
+            self._add("versions", "agreement", "SKIP", "needs admin info from both servers")
             return False
         p, d = infos["prefill"], infos["decode"]
         tv = (srv.get("prefill", {}).get("triton"), srv.get("decode", {}).get("triton"))
@@ -557,8 +237,8 @@ class Doctor:
                   f"{p['compat_hash']} on both" if ok else
                   f"compat hash mismatch: prefill {p['compat_hash']} != decode {d['compat_hash']} (engines built "
                   "from different checkpoints/configs; decode would refuse every KV transfer)")
-        keys = ("manifest_version", "wire_version", "kv_layout")
-        diff = [f"{k} prefill {p.get(k)} != decode {d.get(k)}" for k in keys if p.get(k) != d.get(k)]
+        agree = ("manifest_version", "wire_version", "kv_layout")
+        diff = [f"{k} prefill {p.get(k)} != decode {d.get(k)}" for k in agree if p.get(k) != d.get(k)]
         self._add("versions", "manifest", "FAIL" if diff else "PASS", "; ".join(diff) or
                   f"manifest v{p['manifest_version']}, wire v{p['wire_version']}, layout {p['kv_layout']}, "
                   f"builder {p.get('builder')} on both")
@@ -680,7 +360,7 @@ class Doctor:
         try:
             pending0 = self._decode("info").get("pending")
         except Exception as e:
-            self._add("kv", "set", "FAIL", f"decode op=info failed: {_err(e)}")
+            self._add("kv", "set", "FAIL", f"decode admin info failed: {_err(e)}")
             return
         rows = []
         for tr in self.transports:
@@ -703,7 +383,7 @@ class Doctor:
                       f"decode pending KV entries before {pending0}, after {pending1}"
                       + ("" if ok else " (doctor transfers left KV behind)"))
         except Exception as e:
-            self._add("kv", "pending", "FAIL", f"decode op=info failed: {_err(e)}")
+            self._add("kv", "pending", "FAIL", f"decode admin info failed: {_err(e)}")
 
     def _kv_one(self, tr, dt, text) -> dict:
         row = {"transport": tr, "kv_dtype": dt, "prompt": text}
@@ -786,7 +466,7 @@ def _table(header, rows) -> List[str]:
 
 def format_text(rep: Report) -> str:
     out = [f"hetserve doctor: prefill {rep.prefill_url}, decode {rep.decode_url}"]
-    by = {}
+    by: Dict[str, List[Check]] = {}
     for c in rep.checks:
         by.setdefault(c.section, []).append(c)
     s = rep.sections
@@ -794,7 +474,7 @@ def format_text(rep: Report) -> str:
         out.append(f"\n== {sec}")
         if sec == "precision":
             for role, info in s.get("precision", {}).items():
-                loaded = {}
+                loaded: Dict[str, List[str]] = {}
                 for n, p in info["loaded"].items():
                     loaded.setdefault(p, []).append(n)
                 out.append(f"  {role} server (onnxruntime {info['runtime']['onnxruntime']}, providers "
@@ -827,7 +507,8 @@ def main(args) -> int:
     d = Doctor(args.prefill_url, args.decode_url, link_url=args.link_url, sizes=args.sizes, repeats=args.repeats,
                transports=args.transports, probe_dtype=args.probe_dtype, kv_dtypes=args.kv_dtypes,
                ping_n=args.ping, timeout_s=args.timeout, probe_compat_hash=args.probe_compat_hash,
-               prompts=args.prompt or DEFAULT_PROMPTS)
+               prompts=args.prompt or DEFAULT_PROMPTS, prefill_admin=args.prefill_admin,
+               decode_admin=args.decode_admin)
     rep = d.run()
     if args.json:
         print(json.dumps(rep.to_dict(), indent=1))

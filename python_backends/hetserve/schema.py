@@ -64,9 +64,8 @@ _INPUTS = [
     Input("transport", "STRING", SCALAR, doc="KV transport (server default HETSERVE_KV_TRANSPORT)"),
     Input("kv_dtype", "STRING", SCALAR, doc="KV wire dtype (server default HETSERVE_KV_DTYPE)"),
     Input("decode_precision", "STRING", SCALAR, doc="decode engine precision (llm)"),
-    # internal hops and operator ops
-    Input("op", "STRING", SCALAR, doc="model-specific operation (default: the data-plane one)"),
-    Input("doctor_args", "STRING", SCALAR, doc="JSON arguments of a doctor op"),
+    # internal hops (operator ops are on the admin side channel, admin_channel.py, not in these schemas)
+    Input("op", "STRING", SCALAR, doc="decode: generate|ingest|release|canary|stats; kv_ingest: ingest|caps|ping"),
     Input("request_id", "STRING", SCALAR),
     Input("decode_url", "STRING", SCALAR, doc="set by the orchestrator (internal_token) or an admin"),
     Input("internal_token", "STRING", SCALAR, doc="HMAC proving the llm -> prefill hop"),
@@ -97,9 +96,9 @@ MODELS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
                  ("text_input",)),
     "preprocess": (("text_input", "apply_chat_template"), ("text_input",)),
     "postprocess": (("output_ids", "token_ids"), ("output_ids",)),
-    "prefill": (("input_ids", "op", "doctor_args", "request_id", "decode_url", "internal_token", "transport",
+    "prefill": (("input_ids", "request_id", "decode_url", "internal_token", "transport",
                  "kv_dtype", "skip_transfer", "prefix_cache") + SAMPLING, ()),
-    "decode": (("op", "doctor_args", "request_id", "kv_header", "kv_payload", "ingest_token", "input_ids",
+    "decode": (("op", "request_id", "kv_header", "kv_payload", "ingest_token", "input_ids",
                 "output_ids", "precision", "kv_sent") + SAMPLING, ()),
     "kv_ingest": (("op", "request_id", "kv_header", "kv_payload", "kv_remote"), ()),
 }

@@ -117,8 +117,7 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
 
 def check_ports_free(specs: Sequence["ServerSpec"]) -> None:
     """Refuse to start when any port of any server is taken (another `hetserve up`, a stray tritonserver)."""
-    busy = [(sp.role, p) for sp in specs for p in (sp.http_port, sp.grpc_port, sp.metrics_port)
-            if port_in_use(p, sp.host)]
+    busy = [(sp.role, p) for sp in specs for p in sp.ports if port_in_use(p, sp.host)]
     if busy:
         raise ServerError("port(s) already in use: " + ", ".join(f"{p} ({role})" for role, p in busy)
                           + "; is another `hetserve up` running? Stop it or pick another --base-port")
@@ -278,6 +277,23 @@ class ServerSpec:
     env: dict = field(default_factory=dict)
     log_file: Optional[str] = None
     host: str = field(default_factory=bind_host)  # address every port binds (loopback by default)
+    admin_port: Optional[int] = None  # the admin side channel (admin_channel.py); None: gRPC port + 2
+
+    @property
+    def admin_ports(self) -> Dict[str, int]:
+        """Env var -> port of each admin side channel this server's models open ("all" runs both models)."""
+        base = self.admin_port if self.admin_port is not None else self.grpc_port + 2
+        models = ROLE_MODELS.get(self.role, [])
+        out = {}
+        if "prefill" in models:
+            out["HETSERVE_PREFILL_ADMIN"] = base
+        if "decode" in models:
+            out["HETSERVE_DECODE_ADMIN"] = base + len(out)
+        return out
+
+    @property
+    def ports(self) -> List[int]:
+        return [self.http_port, self.grpc_port, self.metrics_port, *self.admin_ports.values()]
 
     def _client_host(self) -> str:
         return LOOPBACK if self.host in ("0.0.0.0", "::") else self.host
@@ -320,8 +336,12 @@ class TritonProcess:
         if check_ports:
             check_ports_free([s])
         sweep_stale_shm()
+        # admin side channels: HETSERVE_ADMIN_BIND, else the server's own address, but never a wildcard one (a
+        # container binds 0.0.0.0 for its clients; operators reach the admin port by exec / port-forward)
+        ah = config.get("HETSERVE_ADMIN_BIND") or (LOOPBACK if s.host in ("0.0.0.0", "::") else s.host)
+        admin = {var: (f"[{ah}]:{port}" if ":" in ah else f"{ah}:{port}") for var, port in s.admin_ports.items()}
         env = stub_environment({"HETSERVE_ENGINE_DIR": s.engine_dir, "HETSERVE_ROLE": s.role,
-                                "HETSERVE_ADMIN_KEY": admin_key(), **s.env})
+                                "HETSERVE_ADMIN_KEY": admin_key(), **admin, **s.env})
         cpus = list(s.cpus) if s.cpus else None
         if s.cpus:
             env["HETSERVE_THREADS"] = str(len(cpus))

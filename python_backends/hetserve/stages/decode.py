@@ -7,8 +7,9 @@ op=generate : join the running batch; stream token ids. The KV normally arrives 
               KV is restored from a snapshot and/or recomputed from prompt + tokens so far.
 op=ingest   : store a transferred KV under request_id (verified here unless kv_ingest proves it verified it).
 op=release  : the orchestrator will not decode this request: drop its pending KV.
-op=canary   : health check, one real engine step.  op=stats: counters.  op=info / op=verify: `hetserve doctor`
-              (admin key required).
+op=canary   : health check, one real engine step (the orchestrator's pool).  op=stats: counters (autoscaler).
+`hetserve doctor`'s info and verify are not ops of the model: admin_ops() hands them to the admin side channel
+(admin_channel.py), so the data-plane schema carries no operator arguments.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from .types import DecodeCall, Metrics, NoMetrics, Reply
 log = logging.getLogger("hetserve.decode")
 
 PENDING_TTL_S = 120.0
-OPS = ("generate", "ingest", "release", "canary", "stats", "info", "verify")
-ADMIN_OPS = ("info", "verify")
+OPS = ("generate", "ingest", "release", "canary", "stats")
+ADMIN_OPS = ("info", "verify")  # admin side channel only (DecodeStage.admin_ops)
 RECOMPUTE_REASONS = ("timeout", "mismatch", "resume", "transfer_failed")
 
 
@@ -89,7 +90,7 @@ class PendingKV:
         return len(self._d)
 
 
-def call_from_tensors(t: schema.Tensors, is_admin: bool = False) -> DecodeCall:
+def call_from_tensors(t: schema.Tensors) -> DecodeCall:
     """The decode model's inputs (hetserve.schema, model "decode") -> DecodeCall."""
     op = schema.scalar(t, "op", "generate", str)
     raw = t.get("kv_header")
@@ -100,8 +101,7 @@ def call_from_tensors(t: schema.Tensors, is_admin: bool = False) -> DecodeCall:
         precision=schema.scalar(t, "precision", None, str) or None,
         kv_sent=bool(schema.scalar(t, "kv_sent", schema.INPUTS["kv_sent"].default)),
         kv_header=None if raw is None or raw.size == 0 else bytes(raw.reshape(-1)[0]),
-        kv_payload=t.get("kv_payload"), ingest_token=schema.scalar(t, "ingest_token", "", str) or "",
-        doctor_args=schema.scalar(t, "doctor_args", "", str) or "", is_admin=is_admin)
+        kv_payload=t.get("kv_payload"), ingest_token=schema.scalar(t, "ingest_token", "", str) or "")
 
 
 @dataclass
@@ -127,10 +127,10 @@ class DecodeStage:
         self.counters = {"recompute": 0, "ingested": 0}
 
     # ---- dispatch ------------------------------------------------------------------------------------------
-    def handle_tensors(self, t: schema.Tensors, reply: Reply, is_admin: bool = False) -> None:
+    def handle_tensors(self, t: schema.Tensors, reply: Reply) -> None:
         """handle() for the raw inputs; inputs that do not parse are refused through `reply`."""
         try:
-            call = call_from_tensors(t, is_admin)
+            call = call_from_tensors(t)
         except Exception as e:  # bad shape, UTF-8, sampling bounds: drop KV pushed for a refused generate
             rid = t.get("request_id")
             if rid is not None and rid.size == 1:
@@ -140,17 +140,14 @@ class DecodeStage:
         self.handle(call, reply)
 
     def handle(self, call: DecodeCall, reply: Reply) -> None:
-        """Answer one request through `reply`, now or later (generate, verify: from the admission pool).
+        """Answer one request through `reply`, now or later (generate: from the admission pool).
         Every failure becomes reply.error(exc), never an exception out of here."""
         try:
+            if call.op in ADMIN_OPS:
+                raise RequestError(f"op={call.op} is an admin op of `hetserve doctor`: it is served on the decode "
+                                   "server's admin side channel (HETSERVE_DECODE_ADMIN), not by the decode model")
             if call.op not in OPS:
                 raise RequestError(f"unknown op {call.op!r}; use {', '.join(OPS[:-1])} or {OPS[-1]}")
-            if call.op in ADMIN_OPS and not call.is_admin:
-                from ..server import ADMIN_PARAM
-
-                raise RequestError(f"op={call.op} is an admin op: send the deployment admin key "
-                                   f"(HETSERVE_ADMIN_KEY) as the request parameter '{ADMIN_PARAM}' (hetserve "
-                                   f"doctor does)")
             getattr(self, "_op_" + call.op)(call, reply)
         except Exception as e:
             if call.op == "generate" and call.request_id:  # refused: drop KV already pushed for it (else TTL)
@@ -217,41 +214,35 @@ class DecodeStage:
             return
         self.admit.submit(self._admit, call, prec, reply)
 
-    def _op_info(self, call: DecodeCall, reply: Reply) -> None:
-        from .. import doctor
+    # ---- admin side channel (admin_channel.py; `hetserve doctor`) -------------------------------------------
+    def admin_ops(self) -> Dict[str, Callable[[dict], dict]]:
+        return {"info": self.admin_info, "verify": self.admin_verify}
+
+    def admin_info(self, args: dict) -> dict:
+        from .. import diagnostics
 
         man = next(iter(self.engines.values())).manifest
-        reply.json(doctor.server_info("decode", man, {e.name: e.precision for e in self.engines.values()},
-                                      pending=len(self.pending), counters=dict(self.counters),
-                                      default_precision=self.config.default_precision,
-                                      kv_timeout_ms=self.config.kv_timeout_s * 1e3))
+        return diagnostics.server_info("decode", man, {e.name: e.precision for e in self.engines.values()},
+                                       pending=len(self.pending), counters=dict(self.counters),
+                                       default_precision=self.config.default_precision,
+                                       kv_timeout_ms=self.config.kv_timeout_s * 1e3)
 
-    def _op_verify(self, call: DecodeCall, reply: Reply) -> None:
+    def admin_verify(self, args: dict) -> dict:
         """Take the KV sent under request_id out of pending and compare its next-token logits with a full
-        recompute of input_ids (doctor.verify_kv), off the request thread."""
-        from .. import doctor
+        recompute of input_ids (diagnostics.verify_kv). Runs on the admin channel's thread."""
+        from .. import diagnostics
 
-        args = doctor.parse_args_json(call.doctor_args)
-        if not call.request_id or len(call.prompt) < 2:
-            raise RequestError("op=verify needs 'request_id' and 'input_ids' (the prompt, >= 2 tokens)")
-        schema.check_prompt(call.prompt, self.cfg)
-        prec = self._precision(call.precision, "fp32" if "fp32" in self.engines else None)
+        rid, prompt = args.get("request_id"), args.get("input_ids") or []
+        if not isinstance(rid, str) or not rid or not isinstance(prompt, list) or len(prompt) < 2 \
+                or not all(isinstance(x, int) for x in prompt):
+            raise RequestError("verify needs 'request_id' and 'input_ids' (the prompt, >= 2 token ids)")
+        schema.check_prompt(prompt, self.cfg)
+        prec = self._precision(args.get("precision"), "fp32" if "fp32" in self.engines else None)
         timeout_s = min(max(float(args.get("timeout_s", 5.0)), 0.0), 60.0)
-        self.admit.submit(self._verify, call, prec, timeout_s, reply)
-
-    # ---- admission (admission pool threads) ----------------------------------------------------------------
-    def _verify(self, call: DecodeCall, prec: str, timeout_s: float, reply: Reply) -> None:
-        from .. import doctor
-
-        try:
-            got = self.pending.take(call.request_id, timeout_s)
-            if got is None:
-                raise RequestError(f"no KV arrived for request {call.request_id!r} within {timeout_s:g}s")
-            reply.json(doctor.verify_kv(self.engines[prec], call.prompt, *got))
-        except Exception as e:
-            if not isinstance(e, RequestError):
-                log.exception("decode op=verify failed")
-            reply.error(e)
+        got = self.pending.take(rid, timeout_s)
+        if got is None:
+            raise RequestError(f"no KV arrived for request {rid!r} within {timeout_s:g}s")
+        return diagnostics.verify_kv(self.engines[prec], prompt, *got)
 
     def context_kv(self, call: DecodeCall, prec: str):
         """KV of prompt + output_ids[:-1]: the transferred KV, else a snapshot + the tail, else a recompute."""

@@ -137,8 +137,6 @@ class DecodeCall:
     kv_header: Optional[bytes] = None
     kv_payload: Optional[np.ndarray] = None
     ingest_token: str = ""
-    doctor_args: str = ""
-    is_admin: bool = False                    # the caller holds the deployment admin key (adapter checks)
 
 
 class Reply(Protocol):

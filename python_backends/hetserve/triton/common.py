@@ -106,11 +106,25 @@ def is_admin(request) -> bool:
     return bool(given) and hmac.compare_digest(given, admin_key())
 
 
-def require_admin(request, op: str) -> None:
-    """Diagnostic/admin ops (`hetserve doctor`) run only for callers holding the deployment admin key."""
-    if not is_admin(request):
-        raise RequestError(f"op={op} is an admin op: send the deployment admin key (HETSERVE_ADMIN_KEY) as the "
-                           f"request parameter '{ADMIN_PARAM}' (hetserve doctor does)")
+def start_admin_channel(var: str, name: str, handlers):
+    """Start this model's admin side channel (admin_channel.py) on the address in `var` (set by the launcher;
+    unset or "off": no channel). A port that cannot be bound is logged, not fatal: serving goes on, and
+    `hetserve doctor` reports the channel unreachable."""
+    import logging
+
+    from .. import config
+    from ..admin_channel import AdminServer
+    from ..server import admin_key
+
+    addr = config.get(var)
+    if not addr or addr == "off":
+        return None
+    try:
+        return AdminServer(addr, admin_key(), handlers, name=name).start()
+    except (OSError, ValueError) as e:
+        logging.getLogger("hetserve.admin").error("%s admin channel not started on %s (%s): hetserve doctor "
+                                                  "cannot reach this server", name, addr, e)
+        return None
 
 
 def sampling_params(request, default_max_tokens: int = None) -> SamplingParams:

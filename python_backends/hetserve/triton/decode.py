@@ -18,7 +18,8 @@ from ..kv.snapshot import Snapshotter
 from ..scheduler import DecodeScheduler
 # PendingKV re-exported for existing callers (tests/test_hardening.py)
 from ..stages.decode import RECOMPUTE_REASONS, DecodeConfig, DecodeStage, PendingKV
-from .common import engine_dir, error_of, ingest_token_ok, is_admin, json_bytes, str_tensor, tensors_of
+from .common import (engine_dir, error_of, ingest_token_ok, json_bytes, start_admin_channel, str_tensor,
+                     tensors_of)
 from .metrics import REGISTRY, Poller, gauges
 
 log = logging.getLogger("hetserve.decode")
@@ -38,7 +39,7 @@ class SenderReply:
         self.sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL if final else 0)
 
     def json(self, obj):
-        self.sender.send(pb_utils.InferenceResponse([str_tensor("doctor_json", [json_bytes(obj)])]), flags=FINAL)
+        self.sender.send(pb_utils.InferenceResponse([str_tensor("op_json", [json_bytes(obj)])]), flags=FINAL)
 
     def error(self, exc):
         try:
@@ -79,6 +80,7 @@ class TritonPythonModel:
         for name in ("hetserve_kv_preemptions_total", "hetserve_snapshot_restores_total"):
             REGISTRY.declare(name)
         self.poller = Poller(self._sample_metrics, "decode")
+        self.admin = start_admin_channel("HETSERVE_DECODE_ADMIN", "decode", self.stage.admin_ops())
 
     def _sample_metrics(self) -> dict:
         sched = self.sched
@@ -95,6 +97,8 @@ class TritonPythonModel:
         return {"gauges": gauges(g), "counters": counters, "busy_seconds": st["step_seconds"]}
 
     def finalize(self):
+        if self.admin is not None:
+            self.admin.close()
         self.poller.close()
         self.sched.close()
         if self.snapshots is not None:
@@ -103,5 +107,5 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for r in requests:
-            self.stage.handle_tensors(tensors_of(r, "decode"), SenderReply(r.get_response_sender()), is_admin(r))
+            self.stage.handle_tensors(tensors_of(r, "decode"), SenderReply(r.get_response_sender()))
         return None

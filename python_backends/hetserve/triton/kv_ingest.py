@@ -7,7 +7,7 @@ transports (nixl) send a kv_remote descriptor and the receiver READs the payload
 wire.verify. A mismatch (model hash, layout, dtype, shape, size, HMAC tag) or a bad descriptor is refused with
 INVALID_ARG and the reason.
 Ops: ingest (default); caps -> kv_caps JSON, this server's capability offer (kv/transport/negotiate.py);
-ping answers at once (`hetserve doctor`). Transfers whose request id starts with doctor.PROBE_PREFIX (link
+ping answers at once (`hetserve doctor`). Transfers whose request id starts with diagnostics.PROBE_PREFIX (link
 probes) are verified the same way and then discarded, never reaching decode.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .. import config
-from ..doctor import PROBE_PREFIX
+from ..diagnostics import PROBE_PREFIX
 from ..engines.manifest import read_manifest
 from ..kv import wire
 from ..kv.transport import NAMES, PeerRefused, TransferError, TransportReceiver, TransportUnavailable, spec

@@ -14,7 +14,7 @@ waiting prompts together, under a token budget and chunked (HETSERVE_PREFILL_TOK
 _MAX_BATCH, _PAST_BUDGET, _MAX_QUEUE), and answers each request through its response sender as soon as its
 prompt is done (Triton's Python backend allows the response sender in non-decoupled mode: exactly one
 response, with the FINAL flag, and execute() returns None). So the model stays non-decoupled with one response
-per request, and callers (llm's BLS, doctor, planner, clients) see the same contract as before. prefill_ms is
+per request, and callers (llm's BLS, planner, clients) see the same contract as before. prefill_ms is
 the engine time of the forwards the prompt took part in (as before: engine time, now shared by the batch).
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
+from .. import diagnostics
 from ..engines.runtime import Engine
 from ..kv import wire
 from ..kv.prefix import PrefixCache
@@ -37,7 +38,7 @@ from ..kv.transport import KVSender, TransferTimeout, TransportUnavailable, spec
 from ..prefill_batch import BatchConfig, PrefillBatcher
 from ..sampling import SamplingParams, sample
 from .common import (PREFILL_HOP, RequestError, check_prompt, classify, engine_dir, error_response, inp,
-                     internal_token_ok, is_admin, json_bytes, require_admin, sampling_params, scalar, str_tensor)
+                     internal_token_ok, is_admin, sampling_params, scalar, start_admin_channel, str_tensor)
 from .metrics import REGISTRY, BusyMeter, Poller, declare_transfer_failures, gauges, transfer_failure_reason
 
 log = logging.getLogger("hetserve.prefill")
@@ -84,6 +85,9 @@ class TritonPythonModel:
         self.batcher = PrefillBatcher(self.engine, self.batch_cfg, self._finish, self._fail, prefix=self.prefix,
                                       on_forward=self._on_forward)
         self.poller = Poller(self._sample_metrics, "prefill")
+        self.admin = start_admin_channel("HETSERVE_PREFILL_ADMIN", "prefill",
+                                         {op: (lambda a, op=op: self._admin_op(op, a))
+                                          for op in diagnostics.PREFILL_OPS})
 
     def _sample_metrics(self) -> dict:
         out = {"busy_seconds": self.busy.total(), "counters": {}}
@@ -120,6 +124,8 @@ class TritonPythonModel:
                          transport=transport)
 
     def finalize(self):
+        if self.admin is not None:
+            self.admin.close()
         self.batcher.close()
         self.poller.close()
         self.sender.close()
@@ -128,22 +134,15 @@ class TritonPythonModel:
         self.busy.add(seconds)
         REGISTRY.observe("hetserve_prefill_batch_size", len(plan.rows))
 
-    def _doctor(self, op, r):
-        """`hetserve doctor` ops (doctor.py): info | ping | ping_decode | probe_link | kv_check -> doctor_json.
-        Admin ops: they push KV to any decode_url they are given, so only holders of the admin key run them."""
-        from .. import doctor
+    def _admin_op(self, op: str, args: dict) -> dict:
+        """`hetserve doctor`'s prefill ops (diagnostics.prefill_op), served on the admin side channel."""
+        return diagnostics.prefill_op(self, op, args)
 
-        require_admin(r, op)
-        ids_a = inp(r, "input_ids")
-        ids = [] if ids_a is None else [int(x) for x in ids_a.reshape(-1)]
-        try:
-            out = doctor.prefill_op(self, op, doctor.parse_args_json(scalar(r, "doctor_args", "", str)),
-                                    scalar(r, "decode_url", None, str) or self.default_url,
-                                    scalar(r, "transport", None, str) or self.default_transport,
-                                    scalar(r, "kv_dtype", None, str) or self.default_kv_dtype, ids)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        return pb_utils.InferenceResponse([str_tensor("doctor_json", [json_bytes(out)])])
+    @staticmethod
+    def tokenizer():
+        from .common import tokenizer
+
+        return tokenizer()
 
     def _queue(self, r, sender) -> None:
         """Validate a prefill request and hand it to the batcher (answered later by _finish/_fail)."""
@@ -214,16 +213,11 @@ class TritonPythonModel:
             log.debug("could not send the error response", exc_info=True)
 
     def execute(self, requests):
-        """Every request is answered through its response sender: doctor ops at once, prefill when its
-        prompt is done (by the batcher thread), bad input at once with INVALID_ARG, a full queue UNAVAILABLE."""
+        """Every request is answered through its response sender: prefill when its prompt is done (by the batcher thread), bad input at once with INVALID_ARG, a full queue UNAVAILABLE."""
         for r in requests:
             sender = r.get_response_sender()
             try:
-                op = scalar(r, "op", "prefill", str)
-                if op != "prefill":
-                    sender.send(self._doctor(op, r), flags=FINAL)
-                else:
-                    self._queue(r, sender)
+                self._queue(r, sender)
             except Exception as e:
                 self._answer_error(sender, e)
         return None
