@@ -20,14 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("python_backends", "model_repository") for p in sorted((ROOT / d).rglob("*.py"))]
 NAME = re.compile(r"\bHETSERVE_[A-Z0-9_]*[A-Z0-9]\b")
 
-# Files of the transport / stages helpers (issue 14, in flight) that still read os.environ themselves: the lead
-# converts them to config.get after merging and deletes their line here (the test fails on a stale line).
-ALLOWED_READERS = [
-    "python_backends/hetserve/triton/*.py",
-    "python_backends/hetserve/reliability.py",
-    "python_backends/hetserve/kv/transport*",
-    "python_backends/hetserve/kv/wire.py",
-]
+ALLOWED_READERS: list = []  # none: every HETSERVE_* read goes through config.get
 READ_METHODS = {"get", "getenv", "pop", "setdefault"}
 
 

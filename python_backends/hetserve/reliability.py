@@ -37,6 +37,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import config
 from .kv.transport.registry import BASELINE as BASELINE_TRANSPORT
 
 log = logging.getLogger("hetserve.reliability")
@@ -75,12 +76,11 @@ class CircuitBreaker:
 
     @classmethod
     def from_env(cls, **kw) -> "CircuitBreaker":
-        e = os.environ.get
-        return cls(p99_threshold_s=float(e("HETSERVE_BREAKER_P99_MS", "500")) / 1e3,
-                   window_s=float(e("HETSERVE_BREAKER_WINDOW_S", "30")),
-                   min_samples=int(e("HETSERVE_BREAKER_MIN_SAMPLES", "20")),
-                   open_s=float(e("HETSERVE_BREAKER_OPEN_S", "5")),
-                   overload_trips=int(e("HETSERVE_BREAKER_OVERLOAD_TRIPS", "3")), **kw)
+        return cls(p99_threshold_s=float(config.get("HETSERVE_BREAKER_P99_MS")) / 1e3,
+                   window_s=float(config.get("HETSERVE_BREAKER_WINDOW_S")),
+                   min_samples=int(config.get("HETSERVE_BREAKER_MIN_SAMPLES")),
+                   open_s=float(config.get("HETSERVE_BREAKER_OPEN_S")),
+                   overload_trips=int(config.get("HETSERVE_BREAKER_OVERLOAD_TRIPS")), **kw)
 
     def _set(self, state: int, reason: str = ""):
         if state != self.state:
@@ -285,12 +285,11 @@ class DecodePool:
 
     @classmethod
     def from_env(cls, **kw) -> "DecodePool":
-        e = os.environ.get
-        return cls(e("HETSERVE_DECODE_URL", "127.0.0.1:9001").split(","), registry=e("HETSERVE_DECODE_REGISTRY"),
-                   dns=e("HETSERVE_DECODE_DNS"),
-                   interval_s=float(e("HETSERVE_HEALTH_INTERVAL_S", "5")),
-                   timeout_s=float(e("HETSERVE_HEALTH_TIMEOUT_S", "2")),
-                   default_transport=e("HETSERVE_KV_TRANSPORT", "grpc"), **kw)
+        return cls(config.get("HETSERVE_DECODE_URL").split(","), registry=config.get("HETSERVE_DECODE_REGISTRY"),
+                   dns=config.get("HETSERVE_DECODE_DNS"),
+                   interval_s=float(config.get("HETSERVE_HEALTH_INTERVAL_S")),
+                   timeout_s=float(config.get("HETSERVE_HEALTH_TIMEOUT_S")),
+                   default_transport=config.get("HETSERVE_KV_TRANSPORT"), **kw)
 
     def _sync_members(self):
         """Membership = static URLs + registry file + DNS answer, re-read every health round (that is how the

@@ -23,12 +23,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
 
+from .. import config
 from ..engines.manifest import KV_LAYOUT, KV_WIRE_VERSION
 
 WIRE_VERSION = KV_WIRE_VERSION
@@ -41,7 +41,7 @@ INTEGRITY = "hmac-sha256"
 def kv_key() -> bytes:
     """The deployment's KV key: HETSERVE_KV_KEY, else derived from the admin key (server.admin_key), which every
     server of a deployment already shares (key file for `hetserve up`, a Secret on Kubernetes, env in compose)."""
-    k = os.environ.get("HETSERVE_KV_KEY")
+    k = config.get("HETSERVE_KV_KEY")
     if k:
         return k.encode()
     from ..server import admin_key

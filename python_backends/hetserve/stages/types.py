@@ -17,7 +17,7 @@ class GenerateRequest:
     """One generation as the orchestrator sees it: the prompt is already token ids."""
     prompt: List[int]
     params: SamplingParams
-    precision: str                   # decode engine precision
+    precision: Optional[str]         # decode engine precision (None: the decode server's default)
     transport: Optional[str] = None  # KV transport (None: prefill's default)
     kv_dtype: Optional[str] = None   # KV wire dtype (None: prefill's default)
 

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 
 import triton_python_backend_utils as pb_utils
 
+from .. import config
 from ..bounded import BoundedExecutor
 from ..engines.runtime import Engine
 from ..sampling import is_stop_token, sample
@@ -27,15 +27,15 @@ class _StopGeneration(Exception):
 class TritonPythonModel:
     def initialize(self, args):
         d = engine_dir()
-        self.prefill = Engine(d, os.environ.get("HETSERVE_PREFILL_ENGINE", "prefill_fp32"))
-        dec = Engine(d, os.environ.get("HETSERVE_AGGREGATED_DECODE_ENGINE", "decode_fp32"))
+        self.prefill = Engine(d, config.get("HETSERVE_PREFILL_ENGINE"))
+        dec = Engine(d, config.get("HETSERVE_AGGREGATED_DECODE_ENGINE"))
         self.precision = dec.precision
         self.cfg = self.prefill.config
         self.sched = DecodeScheduler({dec.precision: dec}, eos_ids=self.cfg.eos_token_ids,
-                                     max_batch=int(os.environ.get("HETSERVE_MAX_BATCH", "16")),
-                                     max_queue=int(os.environ.get("HETSERVE_MAX_QUEUE", "64")))
+                                     max_batch=int(config.get("HETSERVE_MAX_BATCH")),
+                                     max_queue=int(config.get("HETSERVE_MAX_QUEUE")))
         self.lock = threading.Lock()
-        self.work = BoundedExecutor(2, int(os.environ.get("HETSERVE_MAX_QUEUE", "64")), "aggregated")
+        self.work = BoundedExecutor(2, int(config.get("HETSERVE_MAX_QUEUE")), "aggregated")
         self.busy = BusyMeter()
         self.poller = Poller(lambda: {"busy_seconds": self.busy.total() + self.sched.stats["step_seconds"]},
                              "aggregated")

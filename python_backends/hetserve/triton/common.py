@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from functools import lru_cache
 from typing import Any, List, Optional
 
@@ -10,6 +9,7 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils  # provided by the stub
 
+from .. import config
 from .. import errors, retry, schema
 from ..errors import RequestError  # noqa: F401  (re-exported: the adapters raise it)
 from ..sampling import SamplingParams
@@ -35,7 +35,7 @@ def tensors_of(request, model: str) -> dict:
 
 
 def engine_dir() -> str:
-    d = os.environ.get("HETSERVE_ENGINE_DIR")
+    d = config.get("HETSERVE_ENGINE_DIR")
     if not d:
         raise RuntimeError("HETSERVE_ENGINE_DIR is not set (start servers with `hetserve up`/`hetserve serve`)")
     return d
@@ -106,17 +106,15 @@ def is_admin(request) -> bool:
     return bool(given) and hmac.compare_digest(given, admin_key())
 
 
-def start_admin_channel(var: str, name: str, handlers):
-    """Start this model's admin side channel (admin_channel.py) on the address in `var` (set by the launcher;
-    unset or "off": no channel). A port that cannot be bound is logged, not fatal: serving goes on, and
+def start_admin_channel(addr: Optional[str], name: str, handlers):
+    """Start this model's admin side channel (admin_channel.py) on `addr` (HETSERVE_PREFILL_ADMIN /
+    HETSERVE_DECODE_ADMIN, set by the launcher; None or "off": no channel). A port that cannot be bound is logged, not fatal: serving goes on, and
     `hetserve doctor` reports the channel unreachable."""
     import logging
 
-    from .. import config
     from ..admin_channel import AdminServer
     from ..server import admin_key
 
-    addr = config.get(var)
     if not addr or addr == "off":
         return None
     try:

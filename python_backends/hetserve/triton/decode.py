@@ -5,12 +5,12 @@ its dataclasses; the ops are described there.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
+from .. import config
 from ..bounded import BoundedExecutor
 from ..engines.runtime import Engine
 from ..kv.blocks import BlockPool
@@ -53,7 +53,7 @@ class SenderReply:
 
 class TritonPythonModel:
     def initialize(self, args):
-        names = os.environ.get("HETSERVE_DECODE_ENGINES", "decode_fp32,decode_int8").split(",")
+        names = config.get("HETSERVE_DECODE_ENGINES").split(",")
         engines = {}
         for n in names:
             e = Engine(engine_dir(), n.strip())
@@ -61,26 +61,26 @@ class TritonPythonModel:
             engines[e.precision] = e
         e0 = next(iter(engines.values()))
         cfg = e0.config
-        max_queue = int(os.environ.get("HETSERVE_MAX_QUEUE", "64"))
+        max_queue = int(config.get("HETSERVE_MAX_QUEUE"))
         self.sched = DecodeScheduler(
-            engines, eos_ids=cfg.eos_token_ids, max_batch=int(os.environ.get("HETSERVE_MAX_BATCH", "16")),
+            engines, eos_ids=cfg.eos_token_ids, max_batch=int(config.get("HETSERVE_MAX_BATCH")),
             pool=BlockPool.from_env(cfg),  # HETSERVE_KV_* and HETSERVE_REDIS_URL (README)
-            idle_demote_s=float(os.environ.get("HETSERVE_KV_IDLE_DEMOTE_S", "0")), max_queue=max_queue)
+            idle_demote_s=float(config.get("HETSERVE_KV_IDLE_DEMOTE_S")), max_queue=max_queue)
         self.snapshots = Snapshotter.from_env(e0.compat_hash)
         self.sched.snapshotter = self.snapshots
         # admission work (waiting for KV, recompute) off the request thread; bounded like the scheduler queue
         self.admit = BoundedExecutor(8, max_queue, "decode-admit")
         self.stage = DecodeStage(
             engines, cfg, e0.compat_hash, self.sched, self.admit, PendingKV.from_env(),
-            DecodeConfig(kv_timeout_s=float(os.environ.get("HETSERVE_KV_TIMEOUT_MS", "100")) / 1e3,
-                         default_precision=os.environ.get("HETSERVE_DECODE_PRECISION", e0.precision)),
+            DecodeConfig(kv_timeout_s=float(config.get("HETSERVE_KV_TIMEOUT_MS")) / 1e3,
+                         default_precision=config.get("HETSERVE_DECODE_PRECISION") or e0.precision),
             snapshots=self.snapshots, metrics=REGISTRY, ingest_token_ok=ingest_token_ok)
         for reason in RECOMPUTE_REASONS:
             REGISTRY.declare("hetserve_kv_recompute_total", reason=reason)
         for name in ("hetserve_kv_preemptions_total", "hetserve_snapshot_restores_total"):
             REGISTRY.declare(name)
         self.poller = Poller(self._sample_metrics, "decode")
-        self.admin = start_admin_channel("HETSERVE_DECODE_ADMIN", "decode", self.stage.admin_ops())
+        self.admin = start_admin_channel(config.get("HETSERVE_DECODE_ADMIN"), "decode", self.stage.admin_ops())
 
     def _sample_metrics(self) -> dict:
         sched = self.sched

@@ -14,14 +14,13 @@ Overload refusals (breaker open, no decode server, queues full) are UNAVAILABLE,
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
-from .. import schema
+from .. import config, schema
 from ..engines.manifest import read_manifest
 from ..model.checkpoint import LlamaConfig
 from ..reliability import CircuitBreaker, DecodePool
@@ -86,8 +85,9 @@ class TritonPythonModel:
     def initialize(self, args):
         man = read_manifest(engine_dir())
         self.cfg = LlamaConfig.from_dict(man["config"])
-        self.default_precision = os.environ.get("HETSERVE_DECODE_PRECISION", "fp32")
-        self.max_inflight = int(os.environ.get("HETSERVE_LLM_MAX_INFLIGHT", "256"))
+        # unset: None, so each decode server applies its own default (HETSERVE_DECODE_PRECISION or its first engine)
+        self.default_precision = config.get("HETSERVE_DECODE_PRECISION")
+        self.max_inflight = int(config.get("HETSERVE_LLM_MAX_INFLIGHT"))
         self._slots = threading.BoundedSemaphore(self.max_inflight)
         REGISTRY.set("hetserve_breaker_state", 0)
         REGISTRY.declare(TRANSFER_FAILED_METRIC, reason="transfer_failed", transport="grpc")
@@ -97,8 +97,8 @@ class TritonPythonModel:
         self._pool_metrics(self.pool.snapshot())
         self.stage = Orchestrator(
             BlsPrefill(), GrpcDecodeClient(), self.pool, breaker, self.cfg.eos_token_ids,
-            OrchestratorConfig(step_timeout_s=float(os.environ.get("HETSERVE_DECODE_STEP_TIMEOUT_S", "30")),
-                               max_migrations=int(os.environ.get("HETSERVE_MAX_MIGRATIONS", "3"))),
+            OrchestratorConfig(step_timeout_s=float(config.get("HETSERVE_DECODE_STEP_TIMEOUT_S")),
+                               max_migrations=int(config.get("HETSERVE_MAX_MIGRATIONS"))),
             metrics=REGISTRY)
         tokenizer()
 

@@ -33,12 +33,13 @@ Sampled values (gauges, counters owned by other components) are refreshed by a b
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import triton_python_backend_utils as pb_utils
+
+from .. import config
 
 log = logging.getLogger("hetserve.metrics")
 
@@ -86,7 +87,7 @@ _KINDS = {"counter": "COUNTER", "gauge": "GAUGE", "histogram": "HISTOGRAM"}
 
 
 def server_role() -> str:
-    return os.environ.get("HETSERVE_ROLE", "unknown")
+    return config.get("HETSERVE_ROLE")
 
 
 class Registry:
@@ -97,7 +98,7 @@ class Registry:
         self._metrics: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], object] = {}
         self._lock = threading.Lock()
         self._op_lock = threading.Lock()
-        self.enabled = os.environ.get("HETSERVE_METRICS", "1") != "0"
+        self.enabled = bool(config.get("HETSERVE_METRICS"))
 
     def metric(self, name: str, **labels):
         key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
@@ -190,8 +191,8 @@ class Poller:
                  registry: Registry = REGISTRY):
         self.sample = sample
         self.component = component
-        self.interval = interval_s or float(os.environ.get("HETSERVE_METRICS_INTERVAL_S", "1"))
-        self.window = float(os.environ.get("HETSERVE_UTILIZATION_WINDOW_S", "5"))
+        self.interval = interval_s or float(config.get("HETSERVE_METRICS_INTERVAL_S"))
+        self.window = float(config.get("HETSERVE_UTILIZATION_WINDOW_S"))
         self.reg = registry
         self._last: Dict[tuple, float] = {}
         self._busy_hist = []  # (t, busy_total)

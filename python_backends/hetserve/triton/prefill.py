@@ -20,7 +20,6 @@ the engine time of the forwards the prompt took part in (as before: engine time,
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
-from .. import diagnostics
+from .. import config, diagnostics
 from ..engines.runtime import Engine
 from ..kv import wire
 from ..kv.prefix import PrefixCache
@@ -59,16 +58,16 @@ class PrefillRequest:
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.engine = Engine(engine_dir(), os.environ.get("HETSERVE_PREFILL_ENGINE", "prefill_fp32"))
+        self.engine = Engine(engine_dir(), config.get("HETSERVE_PREFILL_ENGINE"))
         self.engine.warmup()
         self._unavailable = {}  # transport -> why it cannot run here ('' = it can), asked once per transport
         self.sender = KVSender(on_fallback=self._record_fallback)
-        self.default_url = os.environ.get("HETSERVE_DECODE_URL", "127.0.0.1:9001").split(",")[0]
-        self.default_transport = os.environ.get("HETSERVE_KV_TRANSPORT", "grpc")
+        self.default_url = config.get("HETSERVE_DECODE_URL").split(",")[0]
+        self.default_transport = config.get("HETSERVE_KV_TRANSPORT")
         if self.default_transport in TRANSPORTS and not self._unavailable_reason(self.default_transport):
             threading.Thread(target=self.sender.prepare, args=(self.default_transport,), daemon=True,
                              name="kv-transport-prepare").start()
-        self.default_kv_dtype = os.environ.get("HETSERVE_KV_DTYPE", "fp32")
+        self.default_kv_dtype = config.get("HETSERVE_KV_DTYPE")
         self.cfg = self.engine.config
         self.prefix = PrefixCache.from_env(seed=self.engine.compat_hash)  # HETSERVE_PREFIX_CACHE_MB
         self.busy = BusyMeter()
@@ -85,7 +84,7 @@ class TritonPythonModel:
         self.batcher = PrefillBatcher(self.engine, self.batch_cfg, self._finish, self._fail, prefix=self.prefix,
                                       on_forward=self._on_forward)
         self.poller = Poller(self._sample_metrics, "prefill")
-        self.admin = start_admin_channel("HETSERVE_PREFILL_ADMIN", "prefill",
+        self.admin = start_admin_channel(config.get("HETSERVE_PREFILL_ADMIN"), "prefill",
                                          {op: (lambda a, op=op: self._admin_op(op, a))
                                           for op in diagnostics.PREFILL_OPS})
 

@@ -10,6 +10,7 @@ import stat
 import threading
 from typing import Dict, List, Optional, Tuple
 
+from ... import config
 from .base import CapacityExhausted, InBandReceiver, PeerLostRegistration, TransferError, TransportSender
 from .control import ClientCache, ControlTransfer, ingest_inputs
 
@@ -104,7 +105,7 @@ class ShmSender(TransportSender):
 
     def __init__(self, clients: ClientCache, region_bytes: Optional[int] = None):
         self.clients = clients
-        self.region_bytes = int(region_bytes or os.environ.get("HETSERVE_SHM_BYTES", str(256 << 20)))
+        self.region_bytes = int(region_bytes or config.get("HETSERVE_SHM_BYTES"))
         self._regions: Dict[str, _Region] = {}  # decode url -> our region registered there
         self._lock = threading.Lock()
 
