@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -213,10 +213,13 @@ def _resolve_all(names: Optional[str], resolver: Optional[Resolver] = None) -> O
             log.warning("cannot resolve decode pool name %s: %s", hostport, e)
             return None
         for fam, *_, addr in infos:
+            ip, p = addr[0], addr[1]
+            if not isinstance(ip, str) or not isinstance(p, int):  # AF_INET/AF_INET6 only: (text, port, ...)
+                continue
             if fam == socket.AF_INET:
-                out.add(f"{addr[0]}:{addr[1]}")
+                out.add(f"{ip}:{p}")
             elif fam == socket.AF_INET6:
-                out.add(f"[{addr[0]}]:{addr[1]}")
+                out.add(f"[{ip}]:{p}")
     return sorted(out)
 
 
@@ -255,7 +258,7 @@ class DecodePool:
                  interval_s: float = 5.0, resolver: Optional[Resolver] = None,
                  timeout_s: float = 2.0, check: Callable[[str, float], float] = canary_check,
                  start: bool = True, on_change: Optional[Callable[[Dict[str, Member]], None]] = None,
-                 negotiate: Optional[Callable[[str, float], object]] = None, default_transport: str = "grpc",
+                 negotiate: Optional[Callable[[str, float], Any]] = None, default_transport: str = "grpc",
                  on_fallback: Optional[Callable[[str, str, str], None]] = None):
         self.static = [u for u in urls if u]
         self.registry = registry
@@ -365,7 +368,7 @@ class DecodePool:
             # "*" = the last negotiation failed (e.g. kv_ingest not loaded yet): grpc meanwhile, ask again later
             failed = m is not None and "*" in (m.transport_notes or {})
             known = m is not None and bool(m.transports) and not failed
-            waiting = failed and time.monotonic() < m.negotiate_after
+            waiting = failed and m is not None and time.monotonic() < m.negotiate_after
             failures = m.negotiation_failures if m is not None else 0
         if known or waiting:
             return ms, None

@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import threading
 
-
 import triton_python_backend_utils as pb_utils
 
 from .. import config

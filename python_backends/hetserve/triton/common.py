@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any, List, Optional
+from typing import Any, List, Optional, cast
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils  # provided by the stub
 
-from .. import config
-from .. import errors, retry, schema
+from .. import config, errors, retry, schema
 from ..errors import RequestError  # noqa: F401  (re-exported: the adapters raise it)
 from ..sampling import SamplingParams
 from ..schema import MAX_TOKENS_LIMIT, check_kv_tokens, check_prompt  # noqa: F401  (re-exported)
@@ -48,20 +46,25 @@ def tokenizer():
     return load_tokenizer(engine_dir())
 
 
+def _tensors(request) -> "schema.Tensors":
+    # RequestTensors is read through .get only, which is all schema's readers use of a Mapping
+    return cast("schema.Tensors", RequestTensors(request))
+
+
 def inp(request, name: str) -> Optional[np.ndarray]:
     return RequestTensors(request).get(name)
 
 
 def scalar(request, name: str, default: Any = None, cast=None):
-    return schema.scalar(RequestTensors(request), name, default, cast)
+    return schema.scalar(_tensors(request), name, default, cast)
 
 
 def string_list(request, name: str) -> List[str]:
-    return schema.string_list(RequestTensors(request), name)
+    return schema.string_list(_tensors(request), name)
 
 
 def int_list(request, name: str) -> List[int]:
-    return schema.int_list(RequestTensors(request), name)
+    return schema.int_list(_tensors(request), name)
 
 
 def internal_token(purpose: str) -> str:
@@ -108,8 +111,8 @@ def is_admin(request) -> bool:
 
 def start_admin_channel(addr: Optional[str], name: str, handlers):
     """Start this model's admin side channel (admin_channel.py) on `addr` (HETSERVE_PREFILL_ADMIN /
-    HETSERVE_DECODE_ADMIN, set by the launcher; None or "off": no channel). A port that cannot be bound is logged, not fatal: serving goes on, and
-    `hetserve doctor` reports the channel unreachable."""
+    HETSERVE_DECODE_ADMIN, set by the launcher; None or "off": no channel). A port that cannot be bound is
+    logged, not fatal: serving goes on, and `hetserve doctor` reports the channel unreachable."""
     import logging
 
     from ..admin_channel import AdminServer
@@ -125,8 +128,8 @@ def start_admin_channel(addr: Optional[str], name: str, handlers):
         return None
 
 
-def sampling_params(request, default_max_tokens: int = None) -> SamplingParams:
-    return schema.sampling_params(RequestTensors(request), default_max_tokens)
+def sampling_params(request, default_max_tokens: Optional[int] = None) -> SamplingParams:
+    return schema.sampling_params(_tensors(request), default_max_tokens)
 
 
 def sampling_tensors(p: SamplingParams) -> list:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 from .. import config
@@ -16,10 +15,10 @@ from ..engines.runtime import Engine
 from ..kv.blocks import BlockPool
 from ..kv.snapshot import Snapshotter
 from ..scheduler import DecodeScheduler
+
 # PendingKV re-exported for existing callers (tests/test_hardening.py)
 from ..stages.decode import RECOMPUTE_REASONS, DecodeConfig, DecodeStage, PendingKV
-from .common import (engine_dir, error_of, ingest_token_ok, json_bytes, start_admin_channel, str_tensor,
-                     tensors_of)
+from .common import engine_dir, error_of, ingest_token_ok, json_bytes, start_admin_channel, str_tensor, tensors_of
 from .metrics import REGISTRY, Poller, gauges
 
 log = logging.getLogger("hetserve.decode")
@@ -85,7 +84,7 @@ class TritonPythonModel:
     def _sample_metrics(self) -> dict:
         sched = self.sched
         st = sched.stats
-        g = [("hetserve_batch_size", {}, st["batch_size"] if sched.n_running() else 0),
+        g: list = [("hetserve_batch_size", {}, st["batch_size"] if sched.n_running() else 0),
              ("hetserve_queue_depth", {}, len(sched.waiting))]
         pool = getattr(sched, "kv_pool", None)  # paged KV pool, when present
         if pool is not None:

@@ -17,7 +17,6 @@ import logging
 from typing import Dict
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 from .. import config
@@ -27,8 +26,7 @@ from ..kv import wire
 from ..kv.transport import NAMES, PeerRefused, TransferError, TransportReceiver, TransportUnavailable, spec
 from ..kv.transport.control import TRANSPORT_PARAM
 from ..kv.transport.negotiate import local_offer
-from .common import (RequestError, check_kv_tokens, engine_dir, ingest_token, inp, respond_each, scalar,
-                     str_tensor)
+from .common import RequestError, check_kv_tokens, engine_dir, ingest_token, inp, respond_each, scalar, str_tensor
 from .metrics import REGISTRY, declare_transfer_failures, transfer_failure_reason
 
 log = logging.getLogger("hetserve.kv_ingest")

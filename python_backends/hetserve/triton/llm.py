@@ -17,7 +17,6 @@ import logging
 import threading
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 from .. import config, schema
@@ -27,8 +26,18 @@ from ..reliability import CircuitBreaker, DecodePool
 from ..stages.grpc_decode import GrpcDecodeClient
 from ..stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
 from ..stages.types import GenerateRequest, PrefillJob, PrefillResult
-from .common import (PREFILL_HOP, RequestError, classify, engine_dir, error, error_of, internal_token, str_tensor,
-                     tensors_of, tokenizer)
+from .common import (
+    PREFILL_HOP,
+    RequestError,
+    classify,
+    engine_dir,
+    error,
+    error_of,
+    internal_token,
+    str_tensor,
+    tensors_of,
+    tokenizer,
+)
 from .metrics import REGISTRY
 from .streaming import TextStreamer
 

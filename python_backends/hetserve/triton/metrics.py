@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import triton_python_backend_utils as pb_utils
 
@@ -94,7 +94,7 @@ class Registry:
     """Lazily creates one MetricFamily per name and one Metric per label set (process-wide)."""
 
     def __init__(self):
-        self._families: Dict[str, object] = {}
+        self._families: Dict[str, Any] = {}  # pb_utils.MetricFamily
         self._metrics: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], object] = {}
         self._lock = threading.Lock()
         self._op_lock = threading.Lock()
@@ -187,7 +187,7 @@ class Poller:
     "busy_seconds": float}; monotone counter totals are turned into increments here.
     """
 
-    def __init__(self, sample: Callable[[], dict], component: str, interval_s: float = None,
+    def __init__(self, sample: Callable[[], dict], component: str, interval_s: Optional[float] = None,
                  registry: Registry = REGISTRY):
         self.sample = sample
         self.component = component
@@ -195,7 +195,7 @@ class Poller:
         self.window = float(config.get("HETSERVE_UTILIZATION_WINDOW_S"))
         self.reg = registry
         self._last: Dict[tuple, float] = {}
-        self._busy_hist = []  # (t, busy_total)
+        self._busy_hist: List[Tuple[float, float]] = []  # (t, busy_total)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{component}", daemon=True)
         self._thread.start()

@@ -23,9 +23,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, Dict, Optional
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 from .. import config, diagnostics
@@ -36,8 +36,21 @@ from ..kv.transport import NAMES as TRANSPORTS
 from ..kv.transport import KVSender, TransferTimeout, TransportUnavailable, spec
 from ..prefill_batch import BatchConfig, PrefillBatcher
 from ..sampling import SamplingParams, sample
-from .common import (PREFILL_HOP, RequestError, check_prompt, classify, engine_dir, error_response, inp,
-                     internal_token_ok, is_admin, sampling_params, scalar, start_admin_channel, str_tensor)
+from .common import (
+    PREFILL_HOP,
+    RequestError,
+    check_prompt,
+    classify,
+    engine_dir,
+    error_response,
+    inp,
+    internal_token_ok,
+    is_admin,
+    sampling_params,
+    scalar,
+    start_admin_channel,
+    str_tensor,
+)
 from .metrics import REGISTRY, BusyMeter, Poller, declare_transfer_failures, gauges, transfer_failure_reason
 
 log = logging.getLogger("hetserve.prefill")
@@ -47,7 +60,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 @dataclass
 class PrefillRequest:
     """A validated prefill request waiting in the batcher (PrefillJob.handle)."""
-    sender: object  # the request's response sender
+    sender: Any  # the request's response sender
     rid: str
     params: SamplingParams
     transport: str
@@ -109,12 +122,13 @@ class TritonPythonModel:
             why = self._unavailable[transport] = spec(transport).available()
         return why
 
-    def _record_transfer(self, transport: str, info: dict, exc=None):
+    def _record_transfer(self, transport: str, info: Optional[dict], exc=None):
         if exc is not None:
             reason = "timeout" if isinstance(exc, TransferTimeout) else \
                 "unavailable" if isinstance(exc, TransportUnavailable) else transfer_failure_reason(exc)
             REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=transport, reason=reason)
             return
+        assert info is not None  # a transfer that did not raise reports what it sent
         transport = info["transport"]  # the one used (grpc after a counted fallback)
         REGISTRY.inc("hetserve_kv_transfer_bytes_total", info["bytes"], transport=transport)
         REGISTRY.observe("hetserve_kv_transfer_seconds", info["seconds"], transport=transport)
@@ -175,7 +189,7 @@ class TritonPythonModel:
         req: PrefillRequest = job.handle
         first = sample(job.logits, req.params, 0)
         t1 = time.perf_counter()
-        info = {"transport": "none", "bytes": 0, "seconds": 0.0}
+        info: Dict[str, Any] = {"transport": "none", "bytes": 0, "seconds": 0.0}
         ok = True
         if not req.skip_transfer:
             hdr, payload = wire.encode(job.k, job.v, self.engine.compat_hash, req.kv_dtype)
@@ -212,7 +226,8 @@ class TritonPythonModel:
             log.debug("could not send the error response", exc_info=True)
 
     def execute(self, requests):
-        """Every request is answered through its response sender: prefill when its prompt is done (by the batcher thread), bad input at once with INVALID_ARG, a full queue UNAVAILABLE."""
+        """Every request is answered through its response sender: prefill when its prompt is done (by the
+        batcher thread), bad input at once with INVALID_ARG, a full queue UNAVAILABLE."""
         for r in requests:
             sender = r.get_response_sender()
             try:

@@ -1,13 +1,12 @@
 """preprocess: chat template + tokenizer.  text_input -> input_ids."""
 from __future__ import annotations
 
-
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 from .. import config
 from .common import RequestError, error_response, scalar, tokenizer
+
 
 def prompt_limits():
     """(max tokens, max characters) of a prompt, read when asked (not at import); characters are checked before

@@ -5,13 +5,12 @@ import time
 from typing import List, Optional
 
 import numpy as np
-
 import triton_python_backend_utils as pb_utils
 
 from ..sampling import SamplingParams
+from ..tokenizer import stable_text
 from .common import str_tensor
 from .metrics import REGISTRY
-from ..tokenizer import stable_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
@@ -22,7 +22,7 @@ class ClientCache:
     """One tritonclient gRPC client per decode URL (thread-safe: clients are shared across requests)."""
 
     def __init__(self):
-        self._clients: Dict[str, object] = {}
+        self._clients: Dict[str, Any] = {}  # url -> tritonclient InferenceServerClient
         self._lock = threading.Lock()
 
     def get(self, url: str):

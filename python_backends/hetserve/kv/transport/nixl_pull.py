@@ -23,7 +23,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -125,7 +125,7 @@ def parse_remote(remote: Optional[bytes], expect_len: int) -> dict:
         raise PeerRefused("transport 'nixl' needs a 'kv_remote' descriptor (agent, meta, addr, len)")
     try:
         d = json.loads(bytes(remote))
-        out = {"agent": str(d["agent"]), "meta": base64.b64decode(d["meta"], validate=True),
+        out: Dict[str, Any] = {"agent": str(d["agent"]), "meta": base64.b64decode(d["meta"], validate=True),
                "addr": int(d["addr"]), "len": int(d["len"])}
     except (ValueError, KeyError, TypeError) as e:
         raise PeerRefused(f"malformed kv_remote descriptor: {type(e).__name__}: {e}") from None
