@@ -32,12 +32,12 @@ def _free_port():
 
 # ---- local (no servers) --------------------------------------------------------------------------------
 def test_precision_support_local():
-    sup = doctor.precision_support()
-    assert set(sup) == set(doctor.PRECISIONS)
+    sup = diagnostics.precision_support()
+    assert set(sup) == set(diagnostics.PRECISIONS)
     assert sup["fp32"]["supported"] and sup["int8"]["supported"]
     for p, v in sup.items():
         assert v["via"] if v["supported"] else v["reason"], p  # every "no" says why
-    if not doctor.runtime_info()["cuda_devices"]:
+    if not diagnostics.runtime_info()["cuda_devices"]:
         assert not sup["fp8"]["supported"] and "sm >= 89" in sup["fp8"]["reason"]
 
 
@@ -93,7 +93,7 @@ def test_doctor_passes_on_healthy_topology(topology):
         assert c[cid].status == "PASS", (cid, c[cid].detail)
     for role in ("prefill", "decode"):
         info = rep.sections["precision"][role]
-        assert set(info["precision"]) == set(doctor.PRECISIONS) and info["compat_hash"]
+        assert set(info["precision"]) == set(diagnostics.PRECISIONS) and info["compat_hash"]
     assert rep.sections["precision"]["decode"]["pending"] == 0
     for tr in ("grpc", "shm", "nixl"):
         assert c[f"link/{tr}"].data["gbps"] > 0

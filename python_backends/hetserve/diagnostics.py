@@ -315,9 +315,9 @@ def prefill_op(model, op: str, args: dict) -> dict:
             out["kv_1token"] = {row["transport"]: row for row in r["results"]}
         return out
     if op == "probe_link":
-        tokens = [max(1, min(int(t), eng.config.max_position)) for t in args.get("tokens") or DEFAULT_SIZES]
+        # probe_link refuses sizes outside [1, max_position] and repeats outside [1, 100] with the reason
         return probe_link(model.sender, url, args.get("transports") or [transport], compat, eng.config,
-                          tokens, max(1, min(int(args.get("repeats", 3)), 50)),
+                          [int(t) for t in args.get("tokens") or DEFAULT_SIZES], int(args.get("repeats", 3)),
                           kv_dtype, timeout_s, bool(args.get("corrupt", False)), bool(args.get("warmup", True)))
     if op == "kv_check":
         ids = _ids(args)
