@@ -88,10 +88,16 @@ def qdq_topology(engine_dir):
         yield topo
 
 
+FP8_TIE = 0.75  # logits; the FP8 QDQ decode engine's top-1/top-2 gaps here are 0.33-1.15
+
+
 @pytest.mark.parametrize("prec", ["int8_qdq", "fp8_qdq"])
 def test_decode_server_runs_qdq_engines(qdq_topology, engine_dir, tokenizer, prec):
-    """decode_precision=<qdq> on the live servers gives exactly the greedy tokens of the same engines run here
-    (FP32 prefill, fp32 KV wire, then the QDQ decode engine)."""
+    """decode_precision=<qdq> on the live servers gives the greedy tokens of the same engines run here (FP32
+    prefill, fp32 KV wire, then the QDQ decode engine), teacher-forced on the server's tokens: each one is the
+    local argmax, or (fp8 only) within FP8_TIE logits of it. The server's batched step and this one-row loop run
+    different kernels; FP8 QDQ (same top-1 87.5% vs FP32) flips near ties between them on some CPUs (measured on
+    an AVX2 EPYC: one token of 8, 0.40 logits from the local top-1), INT8 QDQ must match exactly."""
     from hetserve import client
     from hetserve.engines.runtime import Engine
 
@@ -101,9 +107,11 @@ def test_decode_server_runs_qdq_engines(qdq_topology, engine_dir, tokenizer, pre
     pre, dec = Engine(engine_dir, "prefill_fp32", threads=1), Engine(engine_dir, f"decode_{prec}", threads=1)
     ids = tokenizer.encode(prompt)
     lo, k, v = pre.prefill(ids)
-    want = [int(np.argmax(lo))]
-    while len(want) < 8:
-        lo, nk, nv = dec.prefill([want[-1]], k, v)
+    assert len(g.token_ids) == 8
+    gaps = []
+    for t in g.token_ids:
+        gaps.append(float(lo.max() - lo[t]))  # 0 when the server's token is the local argmax
+        lo, nk, nv = dec.prefill([t], k, v)
         k, v = np.concatenate([k, nk], axis=2), np.concatenate([v, nv], axis=2)
-        want.append(int(np.argmax(lo)))
-    assert g.token_ids == want, (prec, g.token_ids, want)
+    tie = FP8_TIE if prec == "fp8_qdq" else 0.0
+    assert max(gaps) <= tie and sum(x > 0 for x in gaps) <= (2 if tie else 0), (prec, g.token_ids, gaps)
