@@ -90,6 +90,9 @@ def test_bad_bodies_get_4xx_with_a_message(server):
         c.close()
     assert " 413 " in head.split("\r\n")[0] and "exceeds" in head
     assert AdminClient(server.addr, KEY).call("echo", {"ok": 1}) == {"got": {"ok": 1}}
+    # a negative length is refused at once (read() would wait for EOF on the one serving thread)
+    status, body = _raw(server, "POST", "/v1/admin/echo", None, {**auth, "Content-Length": "-5"})
+    assert status == 400 and "Content-Length" in body["error"]
 
 
 def test_one_serving_thread_and_the_port_is_freed_on_close():

@@ -54,6 +54,11 @@ def parse_addr(addr: str) -> Tuple[str, int]:
     return (host.strip("[]") or "127.0.0.1"), int(port)
 
 
+def format_addr(host: str, port: int) -> str:
+    """(host, port) -> 'host:port', IPv6 hosts in brackets (what parse_addr reads back)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class _HTTPServer6(HTTPServer):
     address_family = socket.AF_INET6
 
@@ -96,8 +101,8 @@ class AdminServer:
             def do_POST(self):
                 status, body = server._serve(self.path, self.headers.get("Authorization", ""),
                                              self.headers.get("Content-Length"), self.rfile)
-                if status == 413:
-                    self.close_connection = True  # the unread body is still on the socket
+                # one request per connection: a refused request's body may still be unread on the socket
+                self.close_connection = True
                 self._answer(status, body)
 
         cls = _HTTPServer6 if ":" in self.host else HTTPServer
@@ -111,7 +116,7 @@ class AdminServer:
 
     @property
     def addr(self) -> str:
-        return f"{self.host}:{self.port}"
+        return format_addr(self.host, self.port)
 
     def _serve(self, path: str, auth: str, length: Optional[str], rfile) -> Tuple[int, dict]:
         scheme, _, given = auth.partition(" ")
@@ -126,6 +131,8 @@ class AdminServer:
         try:
             n = int(length or 0)
         except ValueError:
+            n = -1
+        if n < 0:  # a negative length would make read() wait for EOF, holding the one serving thread
             return 400, {"error": "bad Content-Length"}
         if n > MAX_BODY:
             return 413, {"error": f"admin request body of {n} bytes exceeds {MAX_BODY}"}
@@ -187,4 +194,4 @@ def default_addr(grpc_url: str) -> str:
     """The admin address of a server started by hetserve's launchers: its gRPC host, gRPC port + 2 (the
     ports of one server are http b, grpc b+1, metrics b+2, admin b+3)."""
     host, port = parse_addr(grpc_url)
-    return f"[{host}]:{port + 2}" if ":" in host else f"{host}:{port + 2}"
+    return format_addr(host, port + 2)

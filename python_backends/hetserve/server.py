@@ -339,7 +339,9 @@ class TritonProcess:
         # admin side channels: HETSERVE_ADMIN_BIND, else the server's own address, but never a wildcard one (a
         # container binds 0.0.0.0 for its clients; operators reach the admin port by exec / port-forward)
         ah = config.get("HETSERVE_ADMIN_BIND") or (LOOPBACK if s.host in ("0.0.0.0", "::") else s.host)
-        admin = {var: (f"[{ah}]:{port}" if ":" in ah else f"{ah}:{port}") for var, port in s.admin_ports.items()}
+        from .admin_channel import format_addr
+
+        admin = {var: format_addr(ah, port) for var, port in s.admin_ports.items()}
         env = stub_environment({"HETSERVE_ENGINE_DIR": s.engine_dir, "HETSERVE_ROLE": s.role,
                                 "HETSERVE_ADMIN_KEY": admin_key(), **admin, **s.env})
         cpus = list(s.cpus) if s.cpus else None
