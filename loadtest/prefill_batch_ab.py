@@ -34,7 +34,7 @@ def sequential(engine, prompts):
 
 
 def batched(engine, cfg, prompts):
-    from hetserve.prefill_batch import PrefillBatcher
+    from hetserve.stages.prefill_batch import PrefillBatcher
 
     out = {}
     t0 = time.perf_counter()
@@ -52,7 +52,7 @@ def main(argv=None):
     from bench_vs_llamacpp import QUESTIONS
     from hetserve.engines.builder import load_tokenizer
     from hetserve.engines.runtime import Engine
-    from hetserve.prefill_batch import BatchConfig
+    from hetserve.stages.prefill_batch import BatchConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine-dir", default=os.environ.get("HETSERVE_ENGINE_DIR", str(REPO / ".hetserve" / "engines")))

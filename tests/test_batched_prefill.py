@@ -1,4 +1,4 @@
-"""Batched, chunked prefill (prefill_batch.py + triton/prefill.py).
+"""Batched, chunked prefill (stages/prefill_batch.py), the prefill stage (stages/prefill.py) and the live prefill model.
 
 - planner unit tests (pure logic): token budget, chunking, fairness, past budget, config errors;
 - the batcher on the real fp32 engine: batched + chunked KV and logits equal the one-prompt-at-a-time prefill,
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import PROMPTS, scrape, total
-from hetserve.prefill_batch import BatchConfig, PrefillBatcher, PrefillJob, batch_inputs, plan_batch
+from hetserve.stages.prefill_batch import BatchConfig, PrefillBatcher, PrefillJob, batch_inputs, plan_batch
 
 
 def jobs(*lens, done=0):
@@ -285,3 +285,116 @@ def test_live_full_queue_refused_and_servers_stay_up(batching_topology, prompt_i
     with pytest.raises(grpcclient.InferenceServerException, match="empty prompt"):
         _prefill(url, [])
     assert _prefill(url, list(prompt_ids.values())[0])[0] >= 0  # still serving
+
+
+# ---- the prefill stage (stages/prefill.py) on the real engine, no tritonserver ---------------------------
+class _Sender:
+    """FAKE KV sender (records what the stage sends; raises `fail` when set)."""
+
+    def __init__(self, fail=None):
+        self.sent, self.fail, self.closed = [], fail, False
+
+    def send(self, url, transport, rid, hdr, payload, timeout_s=30.0):
+        if self.fail is not None:
+            raise self.fail
+        self.sent.append((url, transport, rid, hdr, payload))
+        return {"transport": transport, "bytes": payload.nbytes, "seconds": 0.002}
+
+    def close(self):
+        self.closed = True
+
+
+class _Metrics:
+    def __init__(self):
+        self.seen = []
+
+    def inc(self, name, value=1.0, **labels):
+        self.seen.append(("inc", name, value, labels))
+
+    def observe(self, name, value, **labels):
+        self.seen.append(("observe", name, value, labels))
+
+    def set(self, name, value, **labels):
+        self.seen.append(("set", name, value, labels))
+
+
+class _Reply:
+    def __init__(self):
+        self.outcome, self.exc = None, None
+
+    def done(self, o):
+        assert self.outcome is None and self.exc is None, "answered twice"
+        self.outcome = o
+
+    def error(self, e):
+        assert self.outcome is None and self.exc is None, "answered twice"
+        self.exc = e
+
+
+def _stage(engine, sender, metrics=None):
+    from hetserve.stages.prefill import PrefillDefaults, PrefillStage
+
+    return PrefillStage(engine, sender, PrefillDefaults("127.0.0.1:1", "grpc", "fp16"), BatchConfig(),
+                        metrics or _Metrics(), start=False)
+
+
+def test_prefill_stage_samples_sends_the_kv_and_answers_once(engine, prompt_ids):
+    from hetserve.kv import wire
+    from hetserve.sampling import SamplingParams
+    from hetserve.stages.prefill import PrefillCall
+
+    ids = list(prompt_ids.values())[0]
+    logits, k, _ = engine.prefill(ids)
+    sender, metrics, reply = _Sender(), _Metrics(), _Reply()
+    st = _stage(engine, sender, metrics)
+    st.submit(PrefillCall(ids, SamplingParams(max_tokens=4), "r1", decode_url="10.0.0.9:9001"), reply)
+    assert reply.outcome is None  # queued, not answered yet
+    _run_all(st.batcher)
+    o = reply.outcome
+    assert o.first_token == int(np.argmax(logits.reshape(-1))) and o.prompt_len == len(ids) and o.transfer_ok
+    url, transport, rid, hdr, payload = sender.sent[0]
+    assert (url, transport, rid) == ("10.0.0.9:9001", "grpc", "r1")  # the call's member, the default transport
+    assert hdr.dtype == "fp16" and o.kv_bytes == payload.nbytes and o.transport_used == "grpc"
+    got_k, _ = wire.decode(hdr, payload)
+    assert got_k.shape == k.shape and np.abs(got_k - k).max() < 1e-2  # the prompt's KV, at the wire dtype
+    assert ("inc", "hetserve_kv_transfer_bytes_total", payload.nbytes, {"transport": "grpc"}) in metrics.seen
+    st.close()
+    assert sender.closed
+
+
+def test_prefill_stage_refuses_bad_calls_before_queueing(engine):
+    from hetserve.errors import RequestError
+    from hetserve.sampling import SamplingParams
+    from hetserve.stages.prefill import PrefillCall
+
+    st = _stage(engine, _Sender())
+    p = SamplingParams(max_tokens=2)
+    for kw, match in [({"transport": "carrier-pigeon"}, "unknown transport 'carrier-pigeon'"),
+                      ({"kv_dtype": "fp64"}, "unknown kv_dtype 'fp64'")]:
+        with pytest.raises(RequestError, match=match):
+            st.submit(PrefillCall([1, 2, 3], p, "bad", **kw), _Reply())
+    if st.unavailable_reason("cuda_shm"):  # no GPU here: refused with the reason, not queued
+        with pytest.raises(RequestError, match="'cuda_shm' cannot run on this prefill server"):
+            st.submit(PrefillCall([1, 2, 3], p, "bad", transport="cuda_shm"), _Reply())
+    assert st.batcher.depth() == 0
+    st.close()
+
+
+def test_prefill_stage_failed_transfer_is_an_outcome_and_counted(engine, prompt_ids):
+    from hetserve.kv.transport import TransferTimeout
+    from hetserve.sampling import SamplingParams
+    from hetserve.stages.prefill import PrefillCall
+
+    ids = list(prompt_ids.values())[1]
+    metrics = _Metrics()
+    st = _stage(engine, _Sender(fail=TransferTimeout("no answer in 30 s")), metrics)
+    failed, skipped = _Reply(), _Reply()
+    st.submit(PrefillCall(ids, SamplingParams(max_tokens=4), "r2", transport="grpc"), failed)
+    st.submit(PrefillCall(ids, SamplingParams(max_tokens=4), "r3", skip_transfer=True), skipped)
+    _run_all(st.batcher)
+    assert failed.exc is None and failed.outcome.transfer_ok is False and failed.outcome.kv_bytes == 0
+    assert ("inc", "hetserve_kv_transfer_failures_total", 1.0, {"transport": "grpc", "reason": "timeout"}) \
+        in metrics.seen
+    assert skipped.outcome.transfer_ok and skipped.outcome.transport_used == "none"  # nothing sent, not a failure
+    assert skipped.outcome.first_token == failed.outcome.first_token
+    st.close()

@@ -194,6 +194,9 @@ RELI_ENV = {
     "HETSERVE_HEALTH_INTERVAL_S": "1", "HETSERVE_HEALTH_TIMEOUT_S": "2", "HETSERVE_DECODE_STEP_TIMEOUT_S": "4",
     "HETSERVE_SNAPSHOT_INTERVAL_S": "0.25", "HETSERVE_BREAKER_P99_MS": "60000", "HETSERVE_KV_TIMEOUT_MS": "100",
     "HETSERVE_METRICS_INTERVAL_S": "0.5",
+    # nixl starts with the servers (its agent takes seconds to start): a first nixl request that paid for it
+    # reached its 8th token only after the other streams had finished
+    "HETSERVE_KV_PREPARE": "nixl",
 }
 
 
@@ -234,10 +237,8 @@ def _pool_healthy(cluster, n):
     wait_for(ok, 30, f"{n} healthy decode servers in the orchestrator's pool")
 
 
-# kill -9 over these KV transports. nixl is left out: with it, a decode server restarted in place was not
-# healthy again in the orchestrator's pool within 30 s and its streams all went to the other member (found
-# 2026-12-04 by running this test over nixl; open in issue 14).
-TRANSPORTS = ("grpc", "shm")
+# kill -9 over every KV transport this box runs (cuda_shm needs a GPU)
+TRANSPORTS = ("grpc", "shm", "nixl")
 
 
 def _transport_counters(cluster, transport):
@@ -305,7 +306,8 @@ def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids
     _pool_healthy(cluster, 2)
 
 
-def test_hung_decode_server_is_routed_around(cluster, prompt_ids, reference_tokens, transport="grpc"):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_hung_decode_server_is_routed_around(cluster, prompt_ids, reference_tokens, transport):
     _pool_healthy(cluster, 2)
     prompts = PROMPTS[4:8]
     started = {p: 0 for p in prompts}

@@ -22,6 +22,7 @@ from hetserve.kv.transport import (
     SendState,
     TransferError,
     spec,
+    to_prepare,
 )
 from hetserve.kv.transport.negotiate import host_identity, local_offer, usable
 from hetserve.reliability import DecodePool
@@ -46,6 +47,19 @@ def test_registry_is_the_one_list_of_names():
     assert tuple(cli.TRANSPORTS) == NAMES and "nixl" in doctor.CPU_TRANSPORTS and "cuda_shm" not in cli.CPU_TRANSPORTS
     with pytest.raises(TransferError, match="unknown KV transport"):
         KVSender().send("127.0.0.1:1", "smoke-signals", "r", *_kv())
+
+
+def test_transports_started_with_the_server():
+    """HETSERVE_KV_PREPARE: which senders/receivers start with the server instead of in their first request."""
+    assert to_prepare("default", "grpc") == ()  # the baseline has nothing to start
+    assert to_prepare("default", "nixl") == ("nixl",)
+    assert to_prepare(" nixl, shm ,nixl", "grpc") == ("nixl", "shm")
+    assert to_prepare("none", "nixl") == () and to_prepare("", "nixl") == ()
+    assert to_prepare("all", "grpc") == tuple(n for n in NAMES if n != BASELINE and not SPECS[n].available())
+    with pytest.raises(ValueError, match="HETSERVE_KV_PREPARE names unknown KV transport 'nixI'"):
+        to_prepare("grpc,nixI", "grpc")
+    with pytest.raises(ValueError, match="unknown KV transport 'bogus'"):
+        to_prepare("default", "bogus")  # a bad default transport stops the server at start, with the reason
 
 
 def test_offer_and_negotiation_matrix():
@@ -269,7 +283,8 @@ def test_nixl_refuses_bad_descriptors(nixl_receiver):
             nixl_receiver.receive(hdr, None, json.dumps(outside).encode(), 1.0)
         assert nixl_receiver.last_state.name == "FAILED"
         sender._buf[:hdr.nbytes] = payload  # and the good descriptor works on the same receiver afterwards
-        got = nixl_receiver.receive(hdr, None, json.dumps(good).encode(), 5.0)
+        with sender.in_flight():  # the sender's side progresses only while a transfer is in flight
+            got = nixl_receiver.receive(hdr, None, json.dumps(good).encode(), 5.0)
         wire.verify(hdr, got, COMPAT, (L, H, D))
     finally:
         sender.close()

@@ -94,7 +94,7 @@ _VARS: List[Var] = [
     Var("HETSERVE_MAX_BATCH", int, 16, "decode sequences per step (in-flight batch rows)", min=1),
     Var("HETSERVE_MAX_QUEUE", int, 64, "decode requests waiting; more are refused (UNAVAILABLE)", min=1),
     Var("HETSERVE_LLM_MAX_INFLIGHT", int, 256, "requests the llm orchestrator runs at once; more are refused", min=1),
-    # ---- prefill batching (prefill_batch.py) ------------------------------------------------------------------
+    # ---- prefill batching (stages/prefill_batch.py) ------------------------------------------------------------------
     Var("HETSERVE_PREFILL_TOKEN_BUDGET", int, 256, "padded new tokens per prefill forward (rows x width)", min=1),
     Var("HETSERVE_PREFILL_CHUNK_TOKENS", int, 128, "most new tokens of one prompt per forward (<= budget)", min=1),
     Var("HETSERVE_PREFILL_MAX_BATCH", int, 16, "prompts per prefill forward", min=1),
@@ -106,6 +106,8 @@ _VARS: List[Var] = [
     Var("HETSERVE_DECODE_REGISTRY", str, None, "file listing the decode pool (rewritten by the local launcher)"),
     Var("HETSERVE_DECODE_DNS", str, None, "host:port names resolved to decode members (headless Service)"),
     Var("HETSERVE_KV_TRANSPORT", str, "grpc", "default KV transport prefill -> decode"),
+    Var("HETSERVE_KV_PREPARE", str, "default", "transports started with the server: default (the KV_TRANSPORT), "
+        "all, none, or a list"),
     Var("HETSERVE_KV_DTYPE", str, "fp32", "default KV wire dtype", choices=("fp32", "fp16", "int8", "fp8")),
     Var("HETSERVE_SHM_BYTES", int, 256 << 20, "size of the shm transport region, bytes", min=1),
     Var("HETSERVE_NIXL_BYTES", int, 256 << 20, "registered staging buffer of the nixl sender, bytes", min=1),

@@ -13,7 +13,7 @@ import re
 import time
 import uuid
 from functools import lru_cache
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -292,31 +292,32 @@ def _ids(args: dict) -> List[int]:
     return raw
 
 
-def prefill_op(model, op: str, args: dict) -> dict:
-    """The prefill model's admin ops. model: the prefill model (engine, sender, defaults); args: the JSON object
-    of the admin request (decode_url, transport, kv_dtype, input_ids and the op's own arguments)."""
-    eng = model.engine
-    url = str(args.get("decode_url") or model.default_url)
-    transport = str(args.get("transport") or model.default_transport)
-    kv_dtype = str(args.get("kv_dtype") or model.default_kv_dtype)
+def prefill_op(stage, op: str, args: dict, tokenizer: Callable[[], Any]) -> dict:
+    """The prefill model's admin ops. stage: its stages.prefill.PrefillStage (engine, sender, defaults); args:
+    the JSON object of the admin request (decode_url, transport, kv_dtype, input_ids and the op's own
+    arguments); tokenizer() loads the tokenizer (kv_check of a text prompt)."""
+    eng, sender, dflt = stage.engine, stage.sender, stage.defaults
+    url = str(args.get("decode_url") or dflt.decode_url)
+    transport = str(args.get("transport") or dflt.transport)
+    kv_dtype = str(args.get("kv_dtype") or dflt.kv_dtype)
     compat = args.get("compat_hash") or eng.compat_hash
     timeout_s = min(max(float(args.get("timeout_s", 30.0)), 0.1), 300.0)
     if op == "info":
         return server_info("prefill", eng.manifest, {eng.name: eng.precision},
-                           defaults={"decode_url": model.default_url, "transport": model.default_transport,
-                                     "kv_dtype": model.default_kv_dtype})
+                           defaults={"decode_url": dflt.decode_url, "transport": dflt.transport,
+                                     "kv_dtype": dflt.kv_dtype})
     if op == "ping":
         return {"pong": True}
     if op == "ping_decode":  # empty round trips, then 1-token KV round trips per transport (the real KV path)
         n = max(1, min(int(args.get("n", 20)), 100))
-        out = {"url": url, "empty": ping_decode(model.sender.client(url), n, timeout_s), "kv_1token": {}}
+        out = {"url": url, "empty": ping_decode(sender.client(url), n, timeout_s), "kv_1token": {}}
         if args.get("transports"):
-            r = probe_link(model.sender, url, args["transports"], compat, eng.config, [1], n, kv_dtype, timeout_s)
+            r = probe_link(sender, url, args["transports"], compat, eng.config, [1], n, kv_dtype, timeout_s)
             out["kv_1token"] = {row["transport"]: row for row in r["results"]}
         return out
     if op == "probe_link":
         # probe_link refuses sizes outside [1, max_position] and repeats outside [1, 100] with the reason
-        return probe_link(model.sender, url, args.get("transports") or [transport], compat, eng.config,
+        return probe_link(sender, url, args.get("transports") or [transport], compat, eng.config,
                           [int(t) for t in args.get("tokens") or DEFAULT_SIZES], int(args.get("repeats", 3)),
                           kv_dtype, timeout_s, bool(args.get("corrupt", False)), bool(args.get("warmup", True)))
     if op == "kv_check":
@@ -324,11 +325,11 @@ def prefill_op(model, op: str, args: dict) -> dict:
         if not ids:
             if not args.get("prompt"):
                 raise ValueError("kv_check needs 'input_ids' or 'prompt' (text)")
-            tok = model.tokenizer()
+            tok = tokenizer()
             ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": str(args["prompt"])}]))
         bad = [i for i in ids if not 0 <= i < eng.config.vocab_size]
         if bad or len(ids) >= eng.config.max_position:
             raise ValueError(f"kv_check prompt: token ids must be in [0, {eng.config.vocab_size}) and fewer than "
                              f"{eng.config.max_position}")
-        return kv_check(eng, model.sender, url, transport, kv_dtype, ids, compat, timeout_s)
+        return kv_check(eng, sender, url, transport, kv_dtype, ids, compat, timeout_s)
     raise ValueError(f"unknown prefill admin op {op!r}; use one of {list(PREFILL_OPS)}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import Dict
 
 import numpy as np
@@ -23,7 +24,7 @@ from .. import config
 from ..diagnostics import PROBE_PREFIX
 from ..engines.manifest import read_manifest
 from ..kv import wire
-from ..kv.transport import NAMES, PeerRefused, TransferError, TransportReceiver, TransportUnavailable, spec
+from ..kv.transport import NAMES, PeerRefused, TransferError, TransportReceiver, TransportUnavailable, spec, to_prepare
 from ..kv.transport.control import TRANSPORT_PARAM
 from ..kv.transport.negotiate import local_offer
 from .common import RequestError, check_kv_tokens, engine_dir, ingest_token, inp, respond_each, scalar, str_tensor
@@ -56,8 +57,21 @@ class TritonPythonModel:
         self.pull_timeout_s = config.get("HETSERVE_KV_PULL_TIMEOUT_S")
         self._receivers: Dict[str, TransportReceiver] = {}
         self._receiver_errors: Dict[str, str] = {}  # transport -> why its receiver could not start
+        self._receivers_lock = threading.Lock()  # the prepare thread and requests may start one at once
         declare_transfer_failures(NAMES)
-        # receivers start on first use: NIXL's agent imports torch (~250 MB, ~2 s) on a server that may never use it
+        # Receivers named by HETSERVE_KV_PREPARE start now, in the background (NIXL's agent imports torch:
+        # ~250 MB, ~2 s, more on a loaded box, which the first nixl request would otherwise wait for); the
+        # others on first use, so a server that never sees a transport does not pay for it.
+        prepare = to_prepare(config.get("HETSERVE_KV_PREPARE"), config.get("HETSERVE_KV_TRANSPORT"))
+        if prepare:
+            threading.Thread(target=self._prepare, args=(prepare,), daemon=True, name="kv-receiver-prepare").start()
+
+    def _prepare(self, names):
+        for name in names:
+            try:
+                self._receiver(name)
+            except TransferError:
+                pass  # _receiver logged why; requests over it are refused with that reason
 
     def finalize(self):
         for r in self._receivers.values():
@@ -65,7 +79,12 @@ class TritonPythonModel:
 
     def _receiver(self, name: str) -> TransportReceiver:
         r = self._receivers.get(name)
-        if r is None:
+        if r is not None:
+            return r
+        with self._receivers_lock:
+            r = self._receivers.get(name)
+            if r is not None:
+                return r
             if name in self._receiver_errors:
                 raise TransportUnavailable(self._receiver_errors[name])
             s = spec(name)
@@ -78,7 +97,7 @@ class TritonPythonModel:
                 self._receiver_errors[name] = str(e)
                 log.warning("KV transport %s cannot receive on this server: %s", name, e)
                 raise
-        return r
+            return r
 
     def _offer(self) -> dict:
         offer = local_offer({name: r.offer() for name, r in self._receivers.items()})

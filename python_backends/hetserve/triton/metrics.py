@@ -19,7 +19,7 @@ useful, `model`. Names are part of the deployment contract (alerts, Grafana, tes
   hetserve_kv_tier_blocks          gauge      {tier} KV blocks resident per tier
   hetserve_kv_prefix_hits_total / hetserve_kv_prefix_lookups_total  counters of the prefill prefix cache
   hetserve_batch_size              gauge      sequences in the last decode step
-  hetserve_prefill_batch_size      histogram  prompts per prefill forward (prefill_batch.py)
+  hetserve_prefill_batch_size      histogram  prompts per prefill forward (stages/prefill_batch.py)
   hetserve_queue_depth             gauge      sequences waiting for admission
   hetserve_breaker_state           gauge      0 closed, 1 half-open, 2 open
   hetserve_snapshot_age_seconds    gauge      age of the oldest in-flight KV snapshot

@@ -9,33 +9,30 @@ A failed transfer is reported (transfer_ok=false), not raised: the decode server
 A transfer that had to fall back (staging region full -> grpc) says so in transport_used, in
 hetserve_kv_transport_fallbacks_total{requested,used,reason} and in a log line (kv/transport/sender.py).
 
-Batched prefill (prefill_batch.py): execute() only validates and queues; one background thread runs the
-waiting prompts together, under a token budget and chunked (HETSERVE_PREFILL_TOKEN_BUDGET, _CHUNK_TOKENS,
-_MAX_BATCH, _PAST_BUDGET, _MAX_QUEUE), and answers each request through its response sender as soon as its
-prompt is done (Triton's Python backend allows the response sender in non-decoupled mode: exactly one
-response, with the FINAL flag, and execute() returns None). So the model stays non-decoupled with one response
-per request, and callers (llm's BLS, planner, clients) see the same contract as before. prefill_ms is
-the engine time of the forwards the prompt took part in (as before: engine time, now shared by the batch).
+Batched prefill (stages/prefill.py, stages/prefill_batch.py): execute() only reads the tensors and queues;
+one background thread runs the waiting prompts together, under a token budget and chunked
+(HETSERVE_PREFILL_TOKEN_BUDGET, _CHUNK_TOKENS, _MAX_BATCH, _PAST_BUDGET, _MAX_QUEUE), and answers each request
+through its response sender as soon as its prompt is done (Triton's Python backend allows the response sender
+in non-decoupled mode: exactly one response, with the FINAL flag, and execute() returns None). So the model
+stays non-decoupled with one response per request, and callers (llm's BLS, planner, clients) see the same
+contract as before. prefill_ms is the engine time of the forwards the prompt took part in.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, Optional
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .. import config, diagnostics
 from ..engines.runtime import Engine
-from ..kv import wire
 from ..kv.prefix import PrefixCache
 from ..kv.transport import NAMES as TRANSPORTS
-from ..kv.transport import KVSender, TransferTimeout, TransportUnavailable, spec
-from ..prefill_batch import BatchConfig, PrefillBatcher
-from ..sampling import SamplingParams, sample
+from ..kv.transport import KVSender, to_prepare
+from ..stages.prefill import PrefillCall, PrefillDefaults, PrefillOutcome, PrefillStage
+from ..stages.prefill_batch import BatchConfig
 from .common import (
     PREFILL_HOP,
     RequestError,
@@ -50,6 +47,7 @@ from .common import (
     scalar,
     start_admin_channel,
     str_tensor,
+    tokenizer,
 )
 from .metrics import REGISTRY, BusyMeter, Poller, declare_transfer_failures, gauges, transfer_failure_reason
 
@@ -57,32 +55,44 @@ log = logging.getLogger("hetserve.prefill")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-@dataclass
-class PrefillRequest:
-    """A validated prefill request waiting in the batcher (PrefillJob.handle)."""
-    sender: Any  # the request's response sender
-    rid: str
-    params: SamplingParams
-    transport: str
-    kv_dtype: str
-    url: str
-    skip_transfer: bool
+def _answer_error(sender, exc) -> None:
+    code = classify(exc)
+    if code == pb_utils.TritonError.INTERNAL:
+        log.error("prefill request failed: %s", exc, exc_info=exc)
+    try:
+        sender.send(error_response(str(exc), code), flags=FINAL)
+    except Exception:  # the request is already answered or gone
+        log.debug("could not send the error response", exc_info=True)
+
+
+class _Reply:
+    """stages.prefill.PrefillReply over a request's response sender: exactly one FINAL response."""
+
+    def __init__(self, sender):
+        self.sender = sender
+
+    def done(self, o: PrefillOutcome) -> None:
+        self.sender.send(pb_utils.InferenceResponse([
+            pb_utils.Tensor("first_token", np.array([o.first_token], np.int32)),
+            pb_utils.Tensor("prompt_len", np.array([o.prompt_len], np.int32)),
+            pb_utils.Tensor("kv_bytes", np.array([o.kv_bytes], np.int64)),
+            pb_utils.Tensor("prefill_ms", np.array([o.prefill_ms], np.float32)),
+            pb_utils.Tensor("transfer_ms", np.array([o.transfer_ms], np.float32)),
+            pb_utils.Tensor("transfer_ok", np.array([o.transfer_ok], bool)),
+            pb_utils.Tensor("prefix_hit_tokens", np.array([o.prefix_hit_tokens], np.int32)),
+            str_tensor("transport_used", [o.transport_used]),
+        ]), flags=FINAL)
+
+    def error(self, exc: BaseException) -> None:
+        _answer_error(self.sender, exc)
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.engine = Engine(engine_dir(), config.get("HETSERVE_PREFILL_ENGINE"))
-        self.engine.warmup()
-        self._unavailable = {}  # transport -> why it cannot run here ('' = it can), asked once per transport
-        self.sender = KVSender(on_fallback=self._record_fallback)
-        self.default_url = config.get("HETSERVE_DECODE_URL").split(",")[0]
-        self.default_transport = config.get("HETSERVE_KV_TRANSPORT")
-        if self.default_transport in TRANSPORTS and not self._unavailable_reason(self.default_transport):
-            threading.Thread(target=self.sender.prepare, args=(self.default_transport,), daemon=True,
-                             name="kv-transport-prepare").start()
-        self.default_kv_dtype = config.get("HETSERVE_KV_DTYPE")
-        self.cfg = self.engine.config
-        self.prefix = PrefixCache.from_env(seed=self.engine.compat_hash)  # HETSERVE_PREFIX_CACHE_MB
+        engine = Engine(engine_dir(), config.get("HETSERVE_PREFILL_ENGINE"))
+        engine.warmup()
+        self.cfg = engine.config
+        self.prefix = PrefixCache.from_env(seed=engine.compat_hash)  # HETSERVE_PREFIX_CACHE_MB
         self.busy = BusyMeter()
         for t in TRANSPORTS:
             REGISTRY.declare("hetserve_kv_transfer_bytes_total", transport=t)
@@ -92,13 +102,21 @@ class TritonPythonModel:
                 REGISTRY.declare("hetserve_kv_transport_fallbacks_total", requested=t, used="grpc", reason="capacity")
         for n in ("hetserve_kv_prefix_hits_total", "hetserve_kv_prefix_lookups_total"):
             REGISTRY.declare(n)
-        self.batch_cfg = BatchConfig.from_env()
         REGISTRY.declare("hetserve_prefill_batch_size")
-        self.batcher = PrefillBatcher(self.engine, self.batch_cfg, self._finish, self._fail, prefix=self.prefix,
-                                      on_forward=self._on_forward)
+        defaults = PrefillDefaults(config.get("HETSERVE_DECODE_URL").split(",")[0], config.get("HETSERVE_KV_TRANSPORT"),
+                                   config.get("HETSERVE_KV_DTYPE"))
+        self.stage = PrefillStage(engine, KVSender(on_fallback=self._record_fallback), defaults,
+                                  BatchConfig.from_env(), REGISTRY, prefix=self.prefix, on_forward=self._on_forward,
+                                  classify_failure=transfer_failure_reason)
+        prepare = [t for t in to_prepare(config.get("HETSERVE_KV_PREPARE"), defaults.transport)
+                   if t in TRANSPORTS and not self.stage.unavailable_reason(t)]
+        if prepare:  # in the background: the server is ready for grpc meanwhile; a send waits for its transport
+            sender = self.stage.sender
+            threading.Thread(target=lambda: [sender.prepare(t) for t in prepare], daemon=True,
+                             name="kv-transport-prepare").start()
         self.poller = Poller(self._sample_metrics, "prefill")
         self.admin = start_admin_channel(config.get("HETSERVE_PREFILL_ADMIN"), "prefill",
-                                         {op: (lambda a, op=op: self._admin_op(op, a))
+                                         {op: (lambda a, op=op: diagnostics.prefill_op(self.stage, op, a, tokenizer))
                                           for op in diagnostics.PREFILL_OPS})
 
     def _sample_metrics(self) -> dict:
@@ -116,114 +134,33 @@ class TritonPythonModel:
     def _record_fallback(requested: str, used: str, reason: str):
         REGISTRY.inc("hetserve_kv_transport_fallbacks_total", requested=requested, used=used, reason=reason)
 
-    def _unavailable_reason(self, transport: str) -> str:
-        why = self._unavailable.get(transport)
-        if why is None:
-            why = self._unavailable[transport] = spec(transport).available()
-        return why
-
-    def _record_transfer(self, transport: str, info: Optional[dict], exc=None):
-        if exc is not None:
-            reason = "timeout" if isinstance(exc, TransferTimeout) else \
-                "unavailable" if isinstance(exc, TransportUnavailable) else transfer_failure_reason(exc)
-            REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=transport, reason=reason)
-            return
-        assert info is not None  # a transfer that did not raise reports what it sent
-        transport = info["transport"]  # the one used (grpc after a counted fallback)
-        REGISTRY.inc("hetserve_kv_transfer_bytes_total", info["bytes"], transport=transport)
-        REGISTRY.observe("hetserve_kv_transfer_seconds", info["seconds"], transport=transport)
-        if info["seconds"] > 0:
-            REGISTRY.set("hetserve_kv_transfer_bandwidth_bytes_per_second", info["bytes"] / info["seconds"],
-                         transport=transport)
-
     def finalize(self):
         if self.admin is not None:
             self.admin.close()
-        self.batcher.close()
+        self.stage.close()
         self.poller.close()
-        self.sender.close()
 
     def _on_forward(self, plan, seconds: float):
         self.busy.add(seconds)
         REGISTRY.observe("hetserve_prefill_batch_size", len(plan.rows))
 
-    def _admin_op(self, op: str, args: dict) -> dict:
-        """`hetserve doctor`'s prefill ops (diagnostics.prefill_op), served on the admin side channel."""
-        return diagnostics.prefill_op(self, op, args)
-
-    @staticmethod
-    def tokenizer():
-        from .common import tokenizer
-
-        return tokenizer()
-
     def _queue(self, r, sender) -> None:
-        """Validate a prefill request and hand it to the batcher (answered later by _finish/_fail)."""
+        """Read a prefill request's tensors and hand it to the stage (answered later through the reply)."""
         ids_a = inp(r, "input_ids")
         if ids_a is None or ids_a.size == 0:
             raise RequestError("empty prompt: 'input_ids' has no tokens")
         params = sampling_params(r)
         ids = check_prompt([int(x) for x in ids_a.reshape(-1)], self.cfg, params.max_tokens)
-        transport = scalar(r, "transport", None, str) or self.default_transport
-        if transport not in TRANSPORTS:
-            raise RequestError(f"unknown transport {transport!r}; use one of {list(TRANSPORTS)}")
-        why = self._unavailable_reason(transport)
-        if why:
-            raise RequestError(f"KV transport {transport!r} cannot run on this prefill server: {why}")
-        kv_dtype = scalar(r, "kv_dtype", None, str) or self.default_kv_dtype
-        if kv_dtype not in wire.DTYPES:
-            raise RequestError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")
         url = scalar(r, "decode_url", None, str)
         # the orchestrator proves its pick with the hop token; operators' tools (planner --measure) hold the key
         if url and not (internal_token_ok(scalar(r, "internal_token", "", str), PREFILL_HOP) or is_admin(r)):
             raise RequestError("'decode_url' is chosen by the orchestrator from its decode pool; a client cannot "
                                "set it (use the llm model, or send the admin key as hetserve doctor and "
                                "hetserve plan --measure do)")
-        req = PrefillRequest(sender, scalar(r, "request_id", None, str) or f"req-{time.time_ns()}", params,
-                             transport, kv_dtype, url or self.default_url,
-                             bool(scalar(r, "skip_transfer", False)))
-        self.batcher.submit(ids, req, use_prefix=bool(scalar(r, "prefix_cache", True)))
-
-    def _finish(self, job) -> None:
-        """Batcher thread: the whole prompt has KV. Sample the first token, push the KV to decode, answer."""
-        req: PrefillRequest = job.handle
-        first = sample(job.logits, req.params, 0)
-        t1 = time.perf_counter()
-        info: Dict[str, Any] = {"transport": "none", "bytes": 0, "seconds": 0.0}
-        ok = True
-        if not req.skip_transfer:
-            hdr, payload = wire.encode(job.k, job.v, self.engine.compat_hash, req.kv_dtype)
-            try:
-                info = self.sender.send(req.url, req.transport, req.rid, hdr, payload)
-                self._record_transfer(req.transport, info)
-            except Exception as e:
-                log.warning("request %s: %s", req.rid, e)
-                self._record_transfer(req.transport, None, e)
-                ok = False
-                info = {"transport": req.transport, "bytes": 0, "seconds": time.perf_counter() - t1}
-        req.sender.send(pb_utils.InferenceResponse([
-            pb_utils.Tensor("first_token", np.array([first], np.int32)),
-            pb_utils.Tensor("prompt_len", np.array([len(job.ids)], np.int32)),
-            pb_utils.Tensor("kv_bytes", np.array([info["bytes"]], np.int64)),
-            pb_utils.Tensor("prefill_ms", np.array([job.compute_s * 1e3], np.float32)),
-            pb_utils.Tensor("transfer_ms", np.array([info["seconds"] * 1e3], np.float32)),
-            pb_utils.Tensor("transfer_ok", np.array([ok], bool)),
-            pb_utils.Tensor("prefix_hit_tokens", np.array([job.hit], np.int32)),
-            str_tensor("transport_used", [info["transport"]]),
-        ]), flags=FINAL)
-
-    def _fail(self, job, exc) -> None:
-        self._answer_error(job.handle.sender, exc)
-
-    @staticmethod
-    def _answer_error(sender, exc) -> None:
-        code = classify(exc)
-        if code == pb_utils.TritonError.INTERNAL:
-            log.error("prefill request failed: %s", exc, exc_info=exc)
-        try:
-            sender.send(error_response(str(exc), code), flags=FINAL)
-        except Exception:  # the request is already answered or gone
-            log.debug("could not send the error response", exc_info=True)
+        call = PrefillCall(ids, params, scalar(r, "request_id", None, str) or f"req-{time.time_ns()}",
+                           scalar(r, "transport", None, str), scalar(r, "kv_dtype", None, str), url,
+                           bool(scalar(r, "skip_transfer", False)), bool(scalar(r, "prefix_cache", True)))
+        self.stage.submit(call, _Reply(sender))
 
     def execute(self, requests):
         """Every request is answered through its response sender: prefill when its prompt is done (by the
@@ -233,5 +170,5 @@ class TritonPythonModel:
             try:
                 self._queue(r, sender)
             except Exception as e:
-                self._answer_error(sender, e)
+                _answer_error(sender, e)
         return None

@@ -14,7 +14,7 @@ from .base import (
                    TransportSender,
                    TransportUnavailable,
 )
-from .registry import BASELINE, CPU_NAMES, NAMES, SPECS, spec
+from .registry import BASELINE, CPU_NAMES, NAMES, SPECS, spec, to_prepare
 from .sender import KVSender
 
 TRANSPORTS = NAMES  # the registry's names, in preference order
@@ -22,4 +22,4 @@ TRANSPORTS = NAMES  # the registry's names, in preference order
 __all__ = ["BASELINE", "CPU_NAMES", "NAMES", "SPECS", "TRANSPORTS", "CapacityExhausted", "KVSender",
            "PeerLostRegistration",
            "PeerRefused", "RecvState", "SendState", "TransferError", "TransferTimeout", "TransportCaps",
-           "TransportReceiver", "TransportSender", "TransportUnavailable", "spec"]
+           "TransportReceiver", "TransportSender", "TransportUnavailable", "spec", "to_prepare"]

@@ -55,3 +55,24 @@ def spec(name: str) -> TransportSpec:
     if s is None:
         raise ValueError(f"unknown KV transport {name!r}; use one of {', '.join(NAMES)}")
     return s
+
+
+def to_prepare(value: str, default: str) -> Tuple[str, ...]:
+    """The transports HETSERVE_KV_PREPARE names: start-up work (NIXL: ~2 s of imports + agent, on a loaded box
+    several) done with the server instead of in the first request that uses the transport. 'default' stands
+    for the default transport, 'all' for every transport available in this process, 'none' (or '') for none.
+    ValueError for an unknown name: a typo must not leave the first requests paying for start-up silently."""
+    out = []
+    for raw in (value or "").split(","):
+        name = raw.strip()
+        if name in ("", "none"):
+            continue
+        if name == "all":
+            out += [n for n, s in SPECS.items() if not s.available()]
+            continue
+        name = default if name == "default" else name
+        if name not in SPECS:
+            raise ValueError(f"HETSERVE_KV_PREPARE names unknown KV transport {name!r}; use default, all, none "
+                             f"or some of {', '.join(NAMES)}")
+        out.append(name)
+    return tuple(dict.fromkeys(n for n in out if n != BASELINE))  # the baseline has nothing to start

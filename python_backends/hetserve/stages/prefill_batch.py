@@ -23,7 +23,7 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from . import config
+from .. import config
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class PrefillBatcher:
             self._thread.start()
 
     def submit(self, ids: Sequence[int], handle=None, use_prefix: bool = True) -> PrefillJob:
-        from .scheduler import Overloaded
+        from ..scheduler import Overloaded
 
         with self._cv:
             if self._closed:
@@ -284,7 +284,7 @@ class PrefillBatcher:
         """Admit new jobs, run one forward, hand out finished jobs. Returns rows run (0: nothing to do)."""
         import time
 
-        from .engines.runtime import causal_mask
+        from ..engines.runtime import causal_mask
 
         with self._cv:
             new, self._new = self._new, []

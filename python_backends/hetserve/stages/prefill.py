@@ -1,0 +1,161 @@
+"""The prefill server's request logic, without Triton: check a prefill call, queue it for the batcher
+(prefill_batch.py), and once its prompt has KV sample the first token, push the KV to the decode member over
+the requested transport and answer through the call's reply.
+
+Lifecycle of one call: submit() refuses bad input at once (RequestError) and a full queue (Overloaded, from the
+batcher); otherwise exactly one of reply.done(PrefillOutcome) or reply.error(exc) follows, from the batcher
+thread. A failed KV transfer is an outcome (transfer_ok=False), not an error: the decode server then recomputes
+the prompt, and the orchestrator counts it.
+
+triton/prefill.py converts tensors <-> PrefillCall / PrefillOutcome and owns who may name a decode server.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Protocol
+
+from ..errors import RequestError
+from ..kv import wire
+from ..kv.transport import NAMES as TRANSPORTS
+from ..kv.transport import TransferTimeout, TransportUnavailable, spec
+from ..sampling import SamplingParams, sample
+from .prefill_batch import BatchConfig, PrefillBatcher
+
+log = logging.getLogger("hetserve.prefill")
+
+
+@dataclass
+class PrefillCall:
+    """One request to the prefill model, typed; None fields take the server's defaults."""
+    prompt: List[int]
+    params: SamplingParams
+    request_id: str
+    transport: Optional[str] = None
+    kv_dtype: Optional[str] = None
+    decode_url: Optional[str] = None  # who may set it is the binding's business (orchestrator token / admin key)
+    skip_transfer: bool = False
+    use_prefix: bool = True
+
+
+@dataclass
+class PrefillOutcome:
+    first_token: int
+    prompt_len: int
+    kv_bytes: int
+    prefill_ms: float        # engine time of the forwards this prompt took part in (shared by the batch)
+    transfer_ms: float
+    transfer_ok: bool        # false: the KV did not reach decode, which recomputes it
+    prefix_hit_tokens: int   # prompt tokens whose KV came from the prefix cache
+    transport_used: str      # the requested one, grpc after a counted fallback, "none" when skipped
+
+
+class PrefillReply(Protocol):
+    def done(self, outcome: PrefillOutcome) -> None: ...
+
+    def error(self, exc: BaseException) -> None: ...
+
+
+class TransferMetrics(Protocol):  # triton.metrics.Registry
+    def inc(self, name: str, value: float = 1.0, **labels) -> None: ...
+
+    def observe(self, name: str, value: float, **labels) -> None: ...
+
+    def set(self, name: str, value: float, **labels) -> None: ...
+
+
+class Sender(Protocol):  # kv.transport.KVSender
+    def send(self, url: str, transport: str, request_id: str, hdr, payload, timeout_s: float = 30.0) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class PrefillDefaults:
+    decode_url: str
+    transport: str
+    kv_dtype: str
+
+
+@dataclass
+class _Queued:
+    """A checked call waiting in the batcher (PrefillJob.handle)."""
+    call: PrefillCall
+    reply: PrefillReply
+    transport: str
+    kv_dtype: str
+    url: str
+
+
+class PrefillStage:
+    def __init__(self, engine, sender: Sender, defaults: PrefillDefaults, batch: BatchConfig,
+                 metrics: TransferMetrics, prefix=None, on_forward: Optional[Callable[[Any, float], None]] = None,
+                 classify_failure: Callable[[BaseException], str] = lambda e: "refused", start: bool = True):
+        self.engine, self.sender, self.defaults, self.metrics = engine, sender, defaults, metrics
+        self.classify_failure = classify_failure  # exception -> the `reason` label of a failed transfer
+        self._unavailable: Dict[str, str] = {}  # transport -> why it cannot run here ('' = it can), asked once
+        # start=False: the caller drives self.batcher.step() (unit tests)
+        self.batcher = PrefillBatcher(engine, batch, self._finish, self._fail, prefix=prefix, on_forward=on_forward,
+                                      start=start)
+
+    def unavailable_reason(self, transport: str) -> str:
+        why = self._unavailable.get(transport)
+        if why is None:
+            why = self._unavailable[transport] = spec(transport).available()
+        return why
+
+    def submit(self, call: PrefillCall, reply: PrefillReply) -> None:
+        """Queue `call`; raises RequestError (bad input) or Overloaded (queue full) instead of replying."""
+        transport = call.transport or self.defaults.transport
+        if transport not in TRANSPORTS:
+            raise RequestError(f"unknown transport {transport!r}; use one of {list(TRANSPORTS)}")
+        why = self.unavailable_reason(transport)
+        if why:
+            raise RequestError(f"KV transport {transport!r} cannot run on this prefill server: {why}")
+        kv_dtype = call.kv_dtype or self.defaults.kv_dtype
+        if kv_dtype not in wire.DTYPES:
+            raise RequestError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")
+        queued = _Queued(call, reply, transport, kv_dtype, call.decode_url or self.defaults.decode_url)
+        self.batcher.submit(call.prompt, queued, use_prefix=call.use_prefix)
+
+    def record_transfer(self, transport: str, info: Optional[dict], exc: Optional[BaseException] = None) -> None:
+        if exc is not None:
+            reason = "timeout" if isinstance(exc, TransferTimeout) else \
+                "unavailable" if isinstance(exc, TransportUnavailable) else self.classify_failure(exc)
+            self.metrics.inc("hetserve_kv_transfer_failures_total", transport=transport, reason=reason)
+            return
+        assert info is not None  # a transfer that did not raise reports what it sent
+        used = info["transport"]  # the one used (grpc after a counted fallback)
+        self.metrics.inc("hetserve_kv_transfer_bytes_total", info["bytes"], transport=used)
+        self.metrics.observe("hetserve_kv_transfer_seconds", info["seconds"], transport=used)
+        if info["seconds"] > 0:
+            self.metrics.set("hetserve_kv_transfer_bandwidth_bytes_per_second", info["bytes"] / info["seconds"],
+                             transport=used)
+
+    def _finish(self, job) -> None:
+        """Batcher thread: the whole prompt has KV. Sample the first token, push the KV to decode, answer."""
+        q: _Queued = job.handle
+        first = sample(job.logits, q.call.params, 0)
+        t1 = time.perf_counter()
+        info: Dict[str, Any] = {"transport": "none", "bytes": 0, "seconds": 0.0}
+        ok = True
+        if not q.call.skip_transfer:
+            hdr, payload = wire.encode(job.k, job.v, self.engine.compat_hash, q.kv_dtype)
+            try:
+                info = self.sender.send(q.url, q.transport, q.call.request_id, hdr, payload)
+                self.record_transfer(q.transport, info)
+            except Exception as e:
+                log.warning("request %s: %s", q.call.request_id, e)
+                self.record_transfer(q.transport, None, e)
+                ok = False
+                info = {"transport": q.transport, "bytes": 0, "seconds": time.perf_counter() - t1}
+        q.reply.done(PrefillOutcome(int(first), len(job.ids), int(info["bytes"]), job.compute_s * 1e3,
+                                    info["seconds"] * 1e3, ok, int(job.hit), str(info["transport"])))
+
+    def _fail(self, job, exc) -> None:
+        job.handle.reply.error(exc)
+
+    def close(self) -> None:
+        self.batcher.close()
+        self.sender.close()
