@@ -82,11 +82,11 @@ def test_grpc_admin_apis_refused_without_key_allowed_with_it(topology):
 
     for url in (topology.prefill_grpc, topology.decode_grpc):
         c = grpcclient.InferenceServerClient(url)
-        for call in (lambda: c.unload_model("decode"), lambda: c.load_model("decode"),
-                     lambda: c.register_system_shared_memory("evil", "/evil", 4096),
-                     lambda: c.get_system_shared_memory_status(), lambda: c.get_log_settings()):
+        for name, args in (("unload_model", ("decode",)), ("load_model", ("decode",)),
+                           ("register_system_shared_memory", ("evil", "/evil", 4096)),
+                           ("get_system_shared_memory_status", ()), ("get_log_settings", ())):
             with pytest.raises(InferenceServerException, match="restricted"):
-                call()
+                getattr(c, name)(*args)
         # the operator / orchestrator with the deployment key can use them (read-only call: no side effect)
         assert c.get_system_shared_memory_status(headers=admin_headers()) is not None
         c.close()
@@ -320,7 +320,8 @@ def _children_sessions(root_pid: int) -> set:
 
 
 def _shm_regions() -> set:
-    return {p.name for pat in ("triton_python_backend_shm_region_*", "hetserve_kv_*") for p in Path("/dev/shm").glob(pat)}
+    pats = ("triton_python_backend_shm_region_*", "hetserve_kv_*")
+    return {p.name for pat in pats for p in Path("/dev/shm").glob(pat)}
 
 
 def test_hetserve_up_lifecycle(engine_dir, tmp_path):

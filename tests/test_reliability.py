@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetserve.cluster import Autoscaler, LocalCluster, ScalePolicy, decode_op
-from hetserve.kv.snapshot import Snapshotter, SnapshotStore
-from hetserve.reliability import CLOSED, HALF_OPEN, OPEN, BreakerOpen, CircuitBreaker, DecodePool, NoDecodeServer
-
 from conftest import PROMPTS, scrape, total, wait_for
+from hetserve.cluster import Autoscaler, LocalCluster, ScalePolicy, decode_op
+from hetserve.kv.snapshot import SnapshotStore, Snapshotter
+from hetserve.reliability import CLOSED, HALF_OPEN, OPEN, BreakerOpen, CircuitBreaker, DecodePool, NoDecodeServer
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -320,7 +319,7 @@ def test_hung_decode_server_is_routed_around(cluster, prompt_ids, reference_toke
             wait_for(lambda: min(started.values()) >= 4, 60, "streams to start")
             os.killpg(proc.pid, signal.SIGSTOP)  # alive but unresponsive: the hard case
             results = {p: f.result(timeout=120) for p, f in futs.items()}
-        for p, (toks, reason, err) in results.items():
+        for p, (toks, _reason, err) in results.items():
             assert err is None, f"{p!r}: {err}"
             assert toks == reference_tokens[p][:N_TOK]
         wait_for(lambda: _metric(cluster.prefill_metrics, "hetserve_decode_servers", state="down") >= 1, 30,
@@ -406,7 +405,7 @@ def test_1000_malformed_requests_clear_errors_servers_alive(cluster, prompt_ids)
             try:
                 result, err = q.get(timeout=60)
             except queue.Empty:
-                raise AssertionError(f"{sent[u] - got} malformed requests to {u} never answered (hang)")
+                raise AssertionError(f"{sent[u] - got} malformed requests to {u} never answered (hang)") from None
             if err is not None:
                 errors.append(str(err))
                 got += 1
@@ -514,7 +513,8 @@ def _check_no_leaks(cluster, before, seconds, done):
     try:
         sts = wait_for(idle, 60, "decode servers to drain")
     except AssertionError:
-        raise AssertionError(f"decode servers did not drain: {[decode_op(cluster.decode_grpc(i)) for i in cluster.decode]}")
+        states = [decode_op(cluster.decode_grpc(i)) for i in cluster.decode]
+        raise AssertionError(f"decode servers did not drain: {states}") from None
     after = _leak_state(cluster)
     snaps = sorted(p.name for p in Path(cluster.snapshot_dir).iterdir())
     print(f"\nsoak {seconds:.0f}s: {done}; fds before {before['fds']} after {after['fds']}; "
@@ -716,7 +716,8 @@ def test_kubernetes_hpa_mirrors_the_local_autoscaler():
     assert float(targets["hetserve_utilization_ratio"].rstrip("m")) / 1000 == pol.up_util
     assert float(targets["hetserve_queue_depth"]) == pol.up_queue
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 30
-    rules = yaml.safe_load((root / "deploy" / "k8s" / "monitoring" / "prometheus-adapter-rules.yaml").read_text())["rules"]
+    adapter = root / "deploy" / "k8s" / "monitoring" / "prometheus-adapter-rules.yaml"
+    rules = yaml.safe_load(adapter.read_text())["rules"]
     assert {r["name"]["as"] for r in rules} == names
 
 
