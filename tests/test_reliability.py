@@ -434,15 +434,9 @@ def test_1000_malformed_requests_clear_errors_servers_alive(cluster, prompt_ids)
 
 def _server_pids(proc):
     """A tritonserver and its python-backend stubs (children)."""
-    pids = [proc.pid]
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                if open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1] == str(proc.pid):
-                    pids.append(int(d))
-            except (FileNotFoundError, IndexError, PermissionError, ProcessLookupError):
-                pass
-    return pids
+    from hetserve.server import proc_stats
+
+    return [proc.pid] + [pid for pid, _, ppid, _, _ in proc_stats() if ppid == proc.pid]
 
 
 def _server_fds(proc):

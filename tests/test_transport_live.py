@@ -119,34 +119,21 @@ def test_doctor_nixl_link_and_kv_lines(servers):
     assert re.search(r"^\s+nixl\s+2048\s", text, re.M), text
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of every process in `pid`'s process group (tritonserver and its Python backend stubs)."""
-    pgrp, tick, total = os.getpgid(pid), os.sysconf("SC_CLK_TCK"), 0.0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        if int(f[2]) == pgrp:  # fields after the command: state ppid pgrp ... utime(12) stime(13)
-            total += (int(f[11]) + int(f[12])) / tick
-    return total
-
-
 def test_idle_servers_do_not_spin_after_nixl_transfers(servers):
     """NIXL's own progress thread polls UCX with no pause: an idle prefill server sat at 97% of a core and a
     decode server at 45% once nixl had been used. The agents run without it (kv/transport/nixl_pull.py)."""
     import time
 
+    from hetserve.server import group_cpu_seconds
+
     prefill, _ = servers
     generate(prefill.grpc_url, "Hi", transport="nixl", max_tokens=4, timeout_s=120)  # both agents started
     time.sleep(2)  # the stream's tail, metrics polls
     procs = PROCS
-    before = [_cpu_seconds(p.proc.pid) for p in procs]
+    before = [group_cpu_seconds(os.getpgid(p.proc.pid)) for p in procs]
     t0 = time.time()
     time.sleep(4)
-    used = [_cpu_seconds(p.proc.pid) - b for p, b in zip(procs, before)]
+    used = [group_cpu_seconds(os.getpgid(p.proc.pid)) - b for p, b in zip(procs, before)]
     share = [u / (time.time() - t0) for u in used]
     print(f"\nidle CPU after nixl transfers: decode {share[0]:.0%}, prefill {share[1]:.0%} of a core")
     assert max(share) < 0.25, share

@@ -454,16 +454,28 @@ def _kill_group(pgid: int, timeout_s: float = 5.0) -> None:
             return
 
 
-def proc_stats():
-    """(pid, state, ppid, pgid, sid) of every live process, from /proc/<pid>/stat."""
+def _proc_stat_fields():
+    """(pid, the fields of /proc/<pid>/stat after the command name) of every live process."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            yield int(pid), Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
             continue
-        yield int(pid), f[0], int(f[1]), int(f[2]), int(f[3])
+
+
+def proc_stats():
+    """(pid, state, ppid, pgid, sid) of every live process, from /proc/<pid>/stat."""
+    for pid, f in _proc_stat_fields():
+        yield pid, f[0], int(f[1]), int(f[2]), int(f[3])
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group `pgid` (a server started
+    by TritonProcess: tritonserver and its Python backend stubs)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return sum((int(f[11]) + int(f[12])) / tick for _, f in _proc_stat_fields() if int(f[2]) == pgid)
 
 
 def _only_zombies(pgid: int) -> bool:

@@ -74,8 +74,13 @@ class TritonPythonModel:
                 pass  # _receiver logged why; requests over it are refused with that reason
 
     def finalize(self):
-        for r in self._receivers.values():
+        for r in self._started().values():
             r.close()
+
+    def _started(self) -> Dict[str, TransportReceiver]:
+        # a copy: the prepare thread may add a receiver meanwhile (dict() copies in one step under the GIL; the
+        # lock is held for a whole receiver start, seconds for NIXL, too long for op=caps to wait)
+        return dict(self._receivers)
 
     def _receiver(self, name: str) -> TransportReceiver:
         r = self._receivers.get(name)
@@ -100,8 +105,8 @@ class TritonPythonModel:
             return r
 
     def _offer(self) -> dict:
-        offer = local_offer({name: r.offer() for name, r in self._receivers.items()})
-        for name, why in self._receiver_errors.items():
+        offer = local_offer({name: r.offer() for name, r in self._started().items()})
+        for name, why in dict(self._receiver_errors).items():  # a copy, as in _started()
             offer["transports"].pop(name, None)
             offer["unavailable"][name] = why
         return offer

@@ -109,7 +109,7 @@ class TritonPythonModel:
                                   BatchConfig.from_env(), REGISTRY, prefix=self.prefix, on_forward=self._on_forward,
                                   classify_failure=transfer_failure_reason)
         prepare = [t for t in to_prepare(config.get("HETSERVE_KV_PREPARE"), defaults.transport)
-                   if t in TRANSPORTS and not self.stage.unavailable_reason(t)]
+                   if not self.stage.unavailable_reason(t)]
         if prepare:  # in the background: the server is ready for grpc meanwhile; a send waits for its transport
             sender = self.stage.sender
             threading.Thread(target=lambda: [sender.prepare(t) for t in prepare], daemon=True,

@@ -66,7 +66,7 @@ def _make_agent(role: str):
             from None
     name = f"hetserve-{role}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        # STRICT: the agent is used from several threads (batcher, doctor ops, the UCX progress thread)
+        # STRICT: the agent is used from several threads (batcher, doctor ops, the sender's progress pump)
         # no NIXL progress thread: it spins (see the module docstring); callers progress while they transfer
         cfg = nixl_agent_config(enable_prog_thread=False, backends=[BACKEND],
                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
