@@ -4,6 +4,7 @@ latency, autoscaling, and a bounded soak with leak checks (KV, shm regions, file
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import random
 import shutil
@@ -329,8 +330,19 @@ def test_hung_decode_server_is_routed_around(cluster, prompt_ids, reference_toke
         assert err is None and toks == reference_tokens[PROMPTS[8]][:N_TOK] and time.time() - t0 < 15
         _assert_kv_went_over(cluster, transport, kv0)
     finally:
-        os.killpg(proc.pid, signal.SIGCONT)
-    _pool_healthy(cluster, 2)  # half a minute at most to come back
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGCONT)
+    try:
+        _pool_healthy(cluster, 2)  # half a minute at most to come back
+    except AssertionError:
+        if cluster.decode[1].alive():
+            raise
+        # a crash is this test's failure; restarting keeps it from failing every later test of the module too
+        # (seen once: SIGSEGV in TRITONBACKEND_ResponseSend after SIGCONT, Triton 2.51's cancellation race)
+        cluster.restart_decode(1)
+        _pool_healthy(cluster, 2)
+        raise AssertionError("the decode server died after SIGCONT (restarted for the next tests); its log has "
+                             "the signal") from None
 
 
 def _malformed_cases(prompt):
