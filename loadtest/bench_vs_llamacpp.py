@@ -8,7 +8,7 @@ what `llama-server -np N` would do, minus HTTP; loadtest/llamacpp_peer.py). llam
 `--n_parallel`: one lock around the model serves concurrent streams one after another
 (`--interrupt_requests False` makes them queue instead of cancelling each other).
 
-Equal precision: hetserve decodes with INT8 weights (block 32), so by default llama.cpp-batched gets a Q8_0
+Equal precision: hetserve runs INT8 weights and activations (blocks of 16), so by default llama.cpp-batched gets a Q8_0
 GGUF that this script makes itself from the shipped GGUF with llama.cpp's own quantizer
 (`llama_model_quantize`, ftype 7 = MOSTLY_Q8_0, allow_requantize), cached in the output folder
 (`--batched-gguf shipped` or a path to use another file). The HTTP server keeps the shipped GGUF.
@@ -33,8 +33,9 @@ less than `--quiet-below` of the CPUs busy; the load seen is recorded.
     python loadtest/bench_vs_llamacpp.py --ours 127.0.0.1:8001 --llama http://127.0.0.1:8080
     python loadtest/bench_vs_llamacpp.py --mode open --rates 1,2,4,8 --open-requests 48 --rounds 3
 
-hetserve: prefill server and decode server pinned to one core each (the local Topology), INT8 decode, fp16 KV
-over shm, HETSERVE_MAX_BATCH=16, prefix cache on, batched prefill (loadtest/README.md has the config sweep).
+hetserve: prefill server and decode server pinned to one core each (the local Topology), the native INT8 engine
+for prefill and decode (`--prefill-engine` / `--decode-engine` for others), fp16 KV over shm,
+HETSERVE_MAX_BATCH=16, prefix cache on, batched prefill (loadtest/README.md has the config sweep).
 """
 from __future__ import annotations
 
@@ -363,6 +364,12 @@ def main(argv=None):
     ap.add_argument("--ours", help="prefill server gRPC url of a running hetserve (else one is started)")
     ap.add_argument("--base-port", type=int, default=48000)
     ap.add_argument("--decode-precision", default="int8", choices=["int8", "fp32"])
+    ap.add_argument("--decode-engine", default=None,
+                    help="decode engine of a started decode server (default: decode_int8_native for int8, the "
+                         "native INT8 engine; decode_int8 is the ONNX Runtime one; decode_fp32 for fp32)")
+    ap.add_argument("--prefill-engine", default=None,
+                    help="prefill engine of a started prefill server (default: prefill_int8_native for int8, as "
+                         "llama.cpp prefills with its Q8_0 weights too; prefill_fp32 for fp32)")
     ap.add_argument("--kv-dtype", default="fp16", choices=["fp32", "fp16", "int8"])
     from hetserve.kv.transport.registry import NAMES as TRANSPORTS
 
@@ -386,6 +393,10 @@ def main(argv=None):
 
     from hetserve.engines.builder import load_tokenizer
     from hetserve.engines.manifest import read_manifest
+
+    native = a.decode_precision == "int8"
+    a.decode_engine = a.decode_engine or ("decode_int8_native" if native else f"decode_{a.decode_precision}")
+    a.prefill_engine = a.prefill_engine or ("prefill_int8_native" if native else "prefill_fp32")
 
     levels = [int(x) for x in a.levels.split(",")] if a.mode != "open" else []
     rates = [float(x) for x in a.rates.split(",")] if a.mode != "closed" else []
@@ -421,8 +432,8 @@ def main(argv=None):
                 # the circuit breaker (p99 TTFT > 500 ms -> refuse) would shed this closed-loop saturation load
                 # Custom metrics on (as in production); --no-metrics measures their cost.
                 env = {"HETSERVE_MAX_BATCH": str(a.max_batch), "HETSERVE_DECODE_PRECISION": a.decode_precision,
-                       "HETSERVE_DECODE_ENGINES": f"decode_{a.decode_precision}", "HETSERVE_BREAKER_P99_MS": "600000",
-                       "HETSERVE_METRICS": "1" if a.metrics else "0"}
+                       "HETSERVE_DECODE_ENGINES": a.decode_engine, "HETSERVE_PREFILL_ENGINE": a.prefill_engine,
+                       "HETSERVE_BREAKER_P99_MS": "600000", "HETSERVE_METRICS": "1" if a.metrics else "0"}
                 env.update(kv.split("=", 1) for kv in a.ours_env)
                 topo = Topology(a.engine_dir, base_port=a.base_port, env=env, log_dir=str(log_dir)).start()
                 url = topo.prefill_grpc
@@ -491,6 +502,7 @@ def main(argv=None):
                           "rounds": a.rounds, "system_prompt": a.system_prompt, "gguf": gguf,
                           "quiet_gate": {"below": a.quiet_below, "wait_s": a.quiet_wait_s},
                           "hetserve": dict(ours_opts, max_batch=a.max_batch, pinning="prefill cpu0, decode cpu1",
+                                           decode_engine=a.decode_engine, prefill_engine=a.prefill_engine,
                                            started=not a.ours, metrics=a.metrics, env=a.ours_env),
                           "llama.cpp": {"server": "llama_cpp.server", "n_threads": a.llama_threads, "gguf": gguf,
                                         "n_parallel": "n/a (llama-cpp-python serialises requests)"},

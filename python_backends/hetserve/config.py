@@ -83,8 +83,12 @@ _VARS: List[Var] = [
     # ---- engines --------------------------------------------------------------------------------------------
     Var("HETSERVE_ORT_DEVICE", str, "cpu", "onnxruntime device of the engines: cpu or cuda[:N]"),
     Var("HETSERVE_ORT_PROFILE", str, None, "onnxruntime per-op profile file prefix; unset: no profiling"),
+    Var("HETSERVE_NATIVE_ISA", str, "auto", "native engine build: auto (best this CPU runs), avx512 (VNNI) or avx2",
+        choices=("auto", "avx512", "avx2")),
+    Var("HETSERVE_NATIVE_CACHE", str, None, "where the native engine is compiled to; unset: ~/.cache/hetserve/native"),
     Var("HETSERVE_PREFILL_ENGINE", str, "prefill_fp32", "engine the prefill (and aggregated) model runs"),
-    Var("HETSERVE_DECODE_ENGINES", str, "decode_fp32,decode_int8", "decode engines loaded (comma list)"),
+    Var("HETSERVE_DECODE_ENGINES", str, "decode_fp32,decode_int8_native", "decode engines loaded (comma list; an "
+        "engine this machine cannot run loads its manifest fallback, e.g. decode_int8_native -> decode_int8)"),
     Var("HETSERVE_AGGREGATED_DECODE_ENGINE", str, "decode_fp32", "decode engine of the aggregated model"),
     Var("HETSERVE_DECODE_PRECISION", str, None, "default decode precision (fp32|int8); unset: the first engine's"),
     # ---- request limits ---------------------------------------------------------------------------------------
@@ -95,7 +99,8 @@ _VARS: List[Var] = [
     Var("HETSERVE_MAX_QUEUE", int, 64, "decode requests waiting; more are refused (UNAVAILABLE)", min=1),
     Var("HETSERVE_LLM_MAX_INFLIGHT", int, 256, "requests the llm orchestrator runs at once; more are refused", min=1),
     # ---- prefill batching (stages/prefill_batch.py) ------------------------------------------------------------------
-    Var("HETSERVE_PREFILL_TOKEN_BUDGET", int, 256, "padded new tokens per prefill forward (rows x width)", min=1),
+    Var("HETSERVE_PREFILL_TOKEN_BUDGET", int, 256, "new tokens per prefill forward (padded: rows x width; ragged "
+        "engines: their sum)", min=1),
     Var("HETSERVE_PREFILL_CHUNK_TOKENS", int, 128, "most new tokens of one prompt per forward (<= budget)", min=1),
     Var("HETSERVE_PREFILL_MAX_BATCH", int, 16, "prompts per prefill forward", min=1),
     Var("HETSERVE_PREFILL_PAST_BUDGET", int, 8192, "padded past tokens per forward (rows x longest past)", min=1),

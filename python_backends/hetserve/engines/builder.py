@@ -1,6 +1,8 @@
 """checkpoint -> ONNX -> engines (+ manifest). Cached: an engine dir whose manifest matches is reused.
 
-CPU (always):  prefill_fp32 (ONNX Runtime FP32), decode_int8 (ONNX Runtime, INT8 per-channel weights).
+CPU (always):  prefill_fp32 (ONNX Runtime FP32), decode_int8 (ONNX Runtime, INT8 MatMulNBits weights);
+               prefill_int8_native / decode_int8_native (engines/native.py: one file of packed INT8 weights, the
+               C engine compiled for this CPU) when the checkpoint's shapes suit it.
 GPU (when `tensorrt` imports and a CUDA device exists): prefill_fp16_trt, decode_int8_trt / decode_fp8_trt.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ from .. import config
 from ..model.checkpoint import load_checkpoint
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
-BUILDER_VERSION = 5  # 5: INT8 scheme of quantize.INT8_SCHEME, QDQ INT8/FP8 graphs, quality figures
+BUILDER_VERSION = 6  # 6: native INT8 engine (engines/native.py); 5: INT8 scheme, QDQ INT8/FP8 graphs, quality
 INT8_BLOCK = 32
 
 
@@ -112,6 +114,7 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
         "decode_int8_standard": {"file": int8.name, "backend": "onnxruntime", "attention": "standard", **int8_info},
     }
     engines.update(_build_qdq(ckpt, fp32, out, log, t0))
+    engines.update(_build_native(ckpt, out, log, t0))
     if use_trt:  # pragma: no cover - needs a GPU
         from .trt_builder import build_trt_engines
 
@@ -164,6 +167,27 @@ def _build_qdq(ckpt, fp32: Path, out: Path, log, t0) -> dict:
         res[f"decode_{kind}_qdq"] = {"file": f.name, "backend": "onnxruntime", "precision": f"{kind}_qdq",
                                      "weights": weights, "attention": "standard", "format": "qdq"}
     return res
+
+
+def _build_native(ckpt, out: Path, log, t0) -> dict:
+    """The native INT8 engine: packed weights (any machine), and the C library compiled now for this CPU so the
+    servers' first start does not pay for it (a CPU or compiler that cannot build it only logs why)."""
+    from .native import NativeUnavailable, build_native_int8, library
+
+    log(f"  native INT8 engine (engines/native.py)  +{time.time() - t0:.1f}s")
+    try:
+        info = build_native_int8(ckpt, out)
+    except NativeUnavailable as e:
+        log(f"  native INT8 engine skipped: {e}")
+        return {}
+    try:
+        library()
+    except NativeUnavailable as e:
+        log(f"  native engine packed, but it cannot run on this machine: {e}")
+    # one file, two roles (as prefill_fp32 / decode_fp32_standard share theirs); a decode server that cannot
+    # run it loads `fallback` instead (triton/decode.py)
+    return {"prefill_int8_native": dict(info, fallback="prefill_fp32"),
+            "decode_int8_native": dict(info, fallback="decode_int8")}
 
 
 def _add_quality(out: Path, manifest: dict, log, t0) -> None:

@@ -7,6 +7,7 @@ out of here on preemption, and snapshots read it from `row_kv`.
 
   StandardBatch  standard graph (onnx_graph.py, also TensorRT): buffer [rows, L, KVH, cap, D] fed as
                  past KV with an additive mask; the step's new K/V come back and are written into the rows.
+  NativeBatch    native engine (native.py): GqaBatch's layout, each row passed to the C step by pointer.
   GqaBatch       fused graph (onnx_fused.py): one buffer [L, rows, KVH, cap, D] per K and V; layer l's
                  [n, KVH, cap, D] slice is bound (IOBinding, by pointer) as both past_key_<l> and
                  present_key_<l>, so GroupQueryAttention appends the new token at each row's own offset in
@@ -204,3 +205,53 @@ class GqaBatch(_Batch):
         self._sess.run_with_iobinding(self._io)
         self.lens[:n] += 1
         return self._logits[:n]
+
+
+class NativeBatch(_Batch):
+    """Native engine (engines/native.py): GqaBatch's layout ([L, rows, KVH, cap, D] per K and V) in fp16, the KV
+    cache type of llama.cpp and of the fp16 wire: at batch 16 the fp32 cache was as many bytes per step as the
+    weights. KV enters (add) and leaves (row_kv: preemption, snapshots) as fp32; fp16 values survive that round
+    trip exactly, so a swapped-out sequence resumes bit-exact. Each step passes every row's base pointer: the
+    engine writes the new token's K/V at lens[b] in place and attends over each row's own length. Pointer and
+    feed arrays are rebuilt only when the buffer changes."""
+    row_axis = 1
+    cap_chunk = GQA_CAP_CHUNK
+    dtype = np.float16
+
+    def __init__(self, engine, rows):
+        super().__init__(engine, rows)
+        self._model = engine.native
+        self._bound = None
+
+    def _alloc(self, rows, cap):
+        return np.zeros((self.L, rows, self.H, cap, self.D), self.dtype)
+
+    def row_kv(self, row):
+        k, v = super().row_kv(row)
+        return k.astype(np.float32), v.astype(np.float32)
+
+    def _bind(self):
+        rows, cap = self.rows, self.cap
+        per_row = self.H * cap * self.D  # elements between rows inside a layer
+        step = np.uint64(per_row * self._kb.itemsize)
+        self._kp = self._kb.ctypes.data + np.arange(rows, dtype=np.uint64) * step
+        self._vp = self._vb.ctypes.data + np.arange(rows, dtype=np.uint64) * step
+        self._lstride = np.full(rows, rows * per_row, np.int64)
+        self._caps = np.full(rows, cap, np.int32)
+        self._rowi = np.arange(rows, dtype=np.int32)
+        self._ids = np.zeros(rows, np.int64)
+        self._pos = np.zeros(rows, np.int32)
+        self._logits = np.zeros((rows, self.engine.config.vocab_size), np.float32)
+        self._bound = (rows, cap, self._kb.ctypes.data, self._vb.ctypes.data)
+
+    def step(self, tokens):
+        n = self.n
+        self.ensure(n, int(self.lens[:n].max()) + 1)
+        if self._bound != (self.rows, self.cap, self._kb.ctypes.data, self._vb.ctypes.data):
+            self._bind()
+        self._ids[:n] = tokens
+        self._pos[:n] = self.lens[:n]
+        out = self._model.run(self._ids[:n], self._pos[:n], self._rowi[:n], self._kp[:n], self._vp[:n],
+                              self._lstride[:n], self._caps[:n], self._rowi[:n], self._logits, kv16=True)
+        self.lens[:n] += 1
+        return out

@@ -1,15 +1,19 @@
 """Engine runtime: ONNX Runtime (CPU) or TensorRT (GPU) engines and the decode batch that owns running KV.
 
-Two attention back ends (the manifest's "attention" per engine, see builder.py):
+Attention back ends (the manifest's "attention" per engine, see builder.py):
   standard  onnx_graph.py: additive mask, past KV in, the new tokens' KV out (the host appends it).
             `Engine.forward` / `Engine.prefill`; TensorRT engines are always this.
   gqa       onnx_fused.py: GroupQueryAttention reads and writes a per-layer KV buffer in place.
             `Engine.prefill` (batch 1) and `Engine.new_batch().step()` (the decode server's hot path);
             `Engine.forward` too, for masks of the causal_mask form with unpadded new tokens (tools).
-`Engine.new_batch()` gives the scheduler one interface over both (StandardBatch / GqaBatch, decode_batch.py).
+  native    engines/native.py (backend "native"): the whole forward pass in C, INT8, over per-sequence KV
+            buffers; ragged batches (`Engine.prefill_into`), `forward`/`prefill` as above.
+`Engine.new_batch()` gives the scheduler one interface over all (StandardBatch / GqaBatch / NativeBatch,
+decode_batch.py).
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
@@ -30,6 +34,23 @@ DISABLED_OPTIMIZERS = ("GatherSliceToSplitFusion",)
 
 class EngineError(RuntimeError):
     pass
+
+
+def load_engine(engine_dir: str, name: str, threads: Optional[int] = None) -> "Engine":
+    """Engine(engine_dir, name), or its manifest `fallback` when this machine cannot run it (the native engine on a
+    CPU or without a compiler it needs): a warning says which and why, never a silent swap."""
+    try:
+        return Engine(engine_dir, name, threads=threads)
+    except Exception as e:
+        from .native import NativeUnavailable
+
+        man = read_manifest(Path(engine_dir)) or {}
+        fb = man.get("engines", {}).get(name, {}).get("fallback")
+        if not isinstance(e, NativeUnavailable) or not fb:
+            raise
+        logging.getLogger("hetserve.engines").warning("engine %s cannot run here (%s); loading %s instead",
+                                                      name, e, fb)
+        return Engine(engine_dir, fb, threads=threads)
 
 
 def causal_mask(past_lens: Sequence[int], new_lens: Sequence[int], P: int, T: int) -> np.ndarray:
@@ -84,6 +105,10 @@ class Engine:
             self._sess = ort.InferenceSession(str(self.dir / self.info["file"]), so, providers=providers,
                                               disabled_optimizers=list(DISABLED_OPTIMIZERS))
             self._run = self._run_ort
+        elif backend == "native":  # engines/native.py: INT8 C engine over per-sequence KV buffers
+            from .native import NativeModel
+
+            self.native = NativeModel(self.dir, self.info, self.config)
         elif backend == "tensorrt":  # pragma: no cover - needs a GPU
             from .trt_runtime import TrtRunner
 
@@ -105,17 +130,35 @@ class Engine:
         c = self.config
         return np.zeros((batch, c.num_layers, c.num_kv_heads, 0, c.head_dim), dtype=np.float32)
 
+    @property
+    def ragged(self) -> bool:
+        """True: `prefill_into` computes rows of different lengths in one call, in place (no padding)."""
+        return self.attention == "native"
+
     def new_batch(self, rows: int = 16):
         """The running-batch KV store for this engine's attention back end (see decode_batch.py)."""
-        from .decode_batch import GqaBatch, StandardBatch
+        from .decode_batch import GqaBatch, NativeBatch, StandardBatch
 
-        return (GqaBatch if self.attention == "gqa" else StandardBatch)(self, rows)
+        cls = {"gqa": GqaBatch, "native": NativeBatch}.get(self.attention, StandardBatch)
+        return cls(self, rows)
+
+    def prefill_into(self, rows) -> np.ndarray:
+        """Ragged engines: rows of (ids, start, k, v), each computing ids at positions start.. with its K/V written
+        into k, v ([L, KVH, cap, D], positions < start hold the past). Logits [len(rows), V] of each last token."""
+        if not self.ragged:
+            raise EngineError(f"engine {self.name!r} ({self.attention} attention) has no ragged prefill")
+        return self.native.run_sequences(rows)
 
     def end_profiling(self) -> Optional[str]:
         return self._sess.end_profiling() if hasattr(self, "_sess") else None
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
                 past_key: np.ndarray, past_value: np.ndarray, last_index: np.ndarray):
+        if self.attention == "native":
+            from . import native
+
+            return native.forward(self.native, input_ids, position_ids, attention_mask, past_key, past_value,
+                                  last_index, self.name)
         if self.attention == "gqa":
             return self._forward_gqa(input_ids, position_ids, attention_mask, past_key, past_value, last_index)
         feeds = {
@@ -132,6 +175,10 @@ class Engine:
                 past_v: Optional[np.ndarray] = None):
         """Single sequence; optional cached prefix KV ([L,KVH,P,D]). Returns logits[V], k/v [L,KVH,T,D]."""
         T = len(ids)
+        if self.attention == "native":
+            from . import native
+
+            return native.prefill(self.native, ids, past_k, past_v)
         if self.attention == "gqa":
             return self._prefill_gqa(ids, past_k, past_v)
         if past_k is None:

@@ -28,7 +28,7 @@ from .. import config
 
 @dataclass(frozen=True)
 class BatchConfig:
-    token_budget: int = 256  # padded new tokens per forward (rows x width)
+    token_budget: int = 256  # new tokens per forward (rows x width; a ragged engine: their sum)
     chunk_tokens: int = 128  # most new tokens of one prompt per forward
     max_rows: int = 16  # prompts per forward
     past_budget: int = 8192  # padded past tokens per forward (rows x longest past); one row always allowed
@@ -91,6 +91,14 @@ class PrefillJob:
             self.k[:, :, :n], self.v[:, :, :n] = past_k, past_v
             self.done = self.hit = n
 
+    def advance(self, n: int, logits: Optional[np.ndarray]) -> None:
+        """A ragged engine wrote the next n tokens' K/V into k/v itself (Engine.prefill_into); logits as extend."""
+        if n < 1 or n > self.remaining:
+            raise ValueError(f"chunk of {n} tokens, {self.remaining} remaining")
+        self.done += n
+        if self.remaining == 0:
+            self.logits = logits
+
     def extend(self, k_new: np.ndarray, v_new: np.ndarray, logits: Optional[np.ndarray]) -> None:
         """Append one chunk's K/V ([L, KVH, n, D]); logits are kept when this chunk ends the prompt."""
         n = k_new.shape[2]
@@ -133,36 +141,47 @@ class BatchPlan:
         return len(self.rows) * self.width
 
 
-def _rows_at(jobs: Sequence[PrefillJob], width: int, cfg: BatchConfig) -> List[Row]:
+def _rows_at(jobs: Sequence[PrefillJob], width: int, cfg: BatchConfig, ragged: bool = False) -> List[Row]:
     """Jobs in arrival order, each with a chunk of min(remaining, width), while the budgets hold. A job that
-    would break a budget is skipped (a later, smaller one may fit); the oldest job always gets a row."""
+    would break a budget is skipped (a later, smaller one may fit); the oldest job always gets a row.
+    ragged: the engine computes only real tokens (no padding, no padded past), so the token budget counts
+    chunk lengths and the past budget does not apply."""
     rows: List[Row] = []
-    past = 0
+    past = used = 0
     for j in jobs:
-        if len(rows) >= cfg.max_rows or (len(rows) + 1) * width > cfg.token_budget:
+        n = min(j.remaining, width)
+        if len(rows) >= cfg.max_rows:
             break
-        p = max(past, j.done)
-        if rows and (len(rows) + 1) * p > cfg.past_budget:
-            continue
-        rows.append(Row(j, j.done, min(j.remaining, width)))
-        past = p
+        if ragged:
+            if rows and used + n > cfg.token_budget:
+                continue
+        else:
+            if (len(rows) + 1) * width > cfg.token_budget:
+                break
+            p = max(past, j.done)
+            if rows and (len(rows) + 1) * p > cfg.past_budget:
+                continue
+            past = p
+        rows.append(Row(j, j.done, n))
+        used += n
     return rows
 
 
-def plan_batch(jobs: Sequence[PrefillJob], cfg: BatchConfig) -> Optional[BatchPlan]:
+def plan_batch(jobs: Sequence[PrefillJob], cfg: BatchConfig, ragged: bool = False) -> Optional[BatchPlan]:
     """The next forward for the unfinished `jobs` (any order; arrival order is by seq), or None if none.
 
     Tries every width a job would ask for (its remaining tokens, capped at chunk_tokens) and keeps the one
     that finishes the most prompts (each finished prompt is a first token sent: TTFT), then the one with the
     most useful tokens, then the narrower one (less padding, less compute). Without the first rule, prompts
-    of 36..39 tokens would be cut at 36 to fit one more row, and most would need a second forward."""
+    of 36..39 tokens would be cut at 36 to fit one more row, and most would need a second forward.
+    ragged: see _rows_at (Engine.ragged engines)."""
     todo = sorted((j for j in jobs if j.remaining > 0), key=lambda j: j.seq)
     if not todo:
         return None
     best: Optional[List[Row]] = None
     best_key = None
     for w in sorted({min(j.remaining, cfg.chunk_tokens) for j in todo}):
-        rows = _rows_at(todo, w, cfg)
+        rows = _rows_at(todo, w, cfg, ragged)
         key = (sum(r.last for r in rows), sum(r.length for r in rows), -len(rows) * max(r.length for r in rows))
         if best_key is None or key > best_key:
             best, best_key = rows, key
@@ -208,8 +227,9 @@ class PrefillBatcher:
 
     engine: anything with .config (num_layers, num_kv_heads, head_dim, max_position) and
     .forward(input_ids, position_ids, attention_mask, past_key, past_value, last_index) -> (logits, k, v), i.e.
-    engines.runtime.Engine. prefix: an optional kv.prefix.PrefixCache; each job starts from its longest cached
-    prefix (lookup at admission) and its KV is inserted when it finishes.
+    engines.runtime.Engine; or, when its .ragged is true, .prefill_into(rows) (no padding, K/V in place).
+    prefix: an optional kv.prefix.PrefixCache; each job starts from its longest cached prefix (lookup at
+    admission) and its KV is inserted when it finishes.
     """
 
     def __init__(self, engine, cfg: BatchConfig, on_done, on_error, prefix=None, on_forward=None,
@@ -298,19 +318,27 @@ class PrefillBatcher:
                 self._active.append(j)
         with self._cv:
             active = list(self._active)
-        plan = plan_batch(active, self.cfg)
+        ragged = bool(getattr(self.engine, "ragged", False))
+        plan = plan_batch(active, self.cfg, ragged)
         if plan is None:
             return 0
         jobs = [r.job for r in plan.rows]
         try:
-            x = batch_inputs(plan, self.engine.config.max_position)
-            mask = causal_mask(x.past_lens, x.new_lens, plan.past, plan.width)
             t0 = time.perf_counter()
-            logits, k, v = self.engine.forward(x.input_ids, x.position_ids, mask, x.past_key, x.past_value,
-                                               x.last_index)
-            dt = time.perf_counter() - t0
-            for b, r in enumerate(plan.rows):
-                r.job.extend(k[b, :, :, :r.length], v[b, :, :, :r.length], logits[b] if r.last else None)
+            if ragged:  # each row's K/V written straight into its job's buffer
+                logits = self.engine.prefill_into([(r.tokens, r.start, r.job.k, r.job.v) for r in plan.rows])
+                dt = time.perf_counter() - t0
+                for b, r in enumerate(plan.rows):
+                    r.job.advance(r.length, logits[b] if r.last else None)
+            else:
+                x = batch_inputs(plan, self.engine.config.max_position)
+                mask = causal_mask(x.past_lens, x.new_lens, plan.past, plan.width)
+                logits, k, v = self.engine.forward(x.input_ids, x.position_ids, mask, x.past_key, x.past_value,
+                                                   x.last_index)
+                dt = time.perf_counter() - t0
+                for b, r in enumerate(plan.rows):
+                    r.job.extend(k[b, :, :, :r.length], v[b, :, :, :r.length], logits[b] if r.last else None)
+            for r in plan.rows:
                 r.job.forwards += 1
                 r.job.compute_s += dt
         except Exception as e:

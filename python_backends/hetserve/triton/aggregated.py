@@ -8,7 +8,7 @@ import triton_python_backend_utils as pb_utils
 
 from .. import config
 from ..bounded import BoundedExecutor
-from ..engines.runtime import Engine
+from ..engines.runtime import load_engine
 from ..sampling import is_stop_token, sample
 from ..scheduler import DecodeScheduler, Sequence
 from .common import check_prompt, classify, engine_dir, error, inp, sampling_params, tokenizer
@@ -26,8 +26,8 @@ class _StopGeneration(Exception):
 class TritonPythonModel:
     def initialize(self, args):
         d = engine_dir()
-        self.prefill = Engine(d, config.get("HETSERVE_PREFILL_ENGINE"))
-        dec = Engine(d, config.get("HETSERVE_AGGREGATED_DECODE_ENGINE"))
+        self.prefill = load_engine(d, config.get("HETSERVE_PREFILL_ENGINE"))
+        dec = load_engine(d, config.get("HETSERVE_AGGREGATED_DECODE_ENGINE"))
         self.precision = dec.precision
         self.cfg = self.prefill.config
         self.sched = DecodeScheduler({dec.precision: dec}, eos_ids=self.cfg.eos_token_ids,

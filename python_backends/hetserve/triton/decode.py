@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from .. import config
 from ..bounded import BoundedExecutor
-from ..engines.runtime import Engine
+from ..engines.runtime import load_engine
 from ..kv.blocks import BlockPool
 from ..kv.snapshot import Snapshotter
 from ..scheduler import DecodeScheduler
@@ -55,7 +55,7 @@ class TritonPythonModel:
         names = config.get("HETSERVE_DECODE_ENGINES").split(",")
         engines = {}
         for n in names:
-            e = Engine(engine_dir(), n.strip())
+            e = load_engine(engine_dir(), n.strip())
             e.warmup()
             engines[e.precision] = e
         e0 = next(iter(engines.values()))

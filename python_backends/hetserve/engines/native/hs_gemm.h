@@ -1,0 +1,231 @@
+/* INT8 x INT8 GEMM of the native engine: y[m, n] (+)= sum_b ws[n, b] * xs[m, b] * sum_{k in block b} w[n, k] x[m, k]
+   Weights: symmetric int8 per block of `bs` (16 or 32) inputs, one fp16 scale per (output, block); activations:
+   symmetric int8 per (row, block) quantized at run time (hs_quant_rows), one float scale each. This is
+   llama.cpp's Q8_0 x Q8_0 scheme (bs 32) with an optional finer block.
+
+   Packed weight layout (engines/native.py writes it; the same bytes for both ISA builds):
+     q  uint8 [N/16][K/4][16][4]  w + 128: a 64-byte record holds 4 consecutive k of 16 consecutive outputs
+     s  fp16  [N/16][K/bs][16]
+   AVX-512 VNNI: one vpdpbusd multiplies the 64-byte record (unsigned) by 4 activation bytes broadcast to every
+   lane (signed) into 16 int32 lanes (one per output). The +128 offset adds 128 * sum(x of the block), so each
+   block's int32 accumulator starts at xc = -128 * sum(x) instead of 0. AVX2 (no VNNI): the record is two
+   32-byte halves; w is recovered as signed (xor 0x80) and multiplied with maddubs(|w|, sign(x, w)) (no int16
+   saturation: |product pair| <= 2 * 127 * 127), so xc is 0 there. */
+#ifndef HS_GEMM_H
+#define HS_GEMM_H
+#include <stdint.h>
+#include <string.h>
+#include "hs_simd.h"
+
+#define HS_MAX_K 65536
+
+typedef struct {
+    const uint8_t* q;  /* [N/16][K/4][16][4] */
+    const uint16_t* s; /* [N/16][K/bs][16] fp16 */
+    int32_t N, K, bs, pad_;
+} QMat;
+
+/* x [M, K] floats (row stride ldx) -> xq int8 [M, K], xs [M, K/bs] scales, xc [M, K/bs] block offsets */
+static void hs_quant_rows(const float* x, int ldx, int M, int K, int bs, int8_t* xq, float* xs, int32_t* xc) {
+    const int nb = K / bs;
+    for (int m = 0; m < M; m++) {
+        const float* row = x + (size_t)m * ldx;
+        int8_t* q = xq + (size_t)m * K;
+        for (int b = 0; b < nb; b++) {
+            const float* p = row + b * bs;
+            vf mx = vzero();
+            for (int i = 0; i < bs; i += VW) mx = vmax(mx, vmax(vload(p + i), vsub(vzero(), vload(p + i))));
+            const float amax = vhmax(mx);
+            const float d = amax / 127.0f;
+            const vf id = vset1(amax > 0.0f ? 127.0f / amax : 0.0f);
+            xs[(size_t)m * nb + b] = d;
+            int32_t sum = 0;
+#if defined(HS_AVX512)
+            for (int i = 0; i < bs; i += 16) {
+                __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + i), id));
+                _mm_storeu_si128((__m128i*)(q + b * bs + i), _mm512_cvtsepi32_epi8(v));
+                sum += _mm512_reduce_add_epi32(v);
+            }
+            xc[(size_t)m * nb + b] = -128 * sum;
+#else
+            for (int i = 0; i < bs; i += 16) {
+                __m256i v0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + i), id));
+                __m256i v1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + i + 8), id));
+                __m256i s16 = _mm256_packs_epi32(v0, v1);              /* [v0 lo, v1 lo | v0 hi, v1 hi] */
+                s16 = _mm256_permute4x64_epi64(s16, 0xD8);             /* [v0 lo, v0 hi | v1 lo, v1 hi] */
+                __m128i s8 = _mm_packs_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
+                _mm_storeu_si128((__m128i*)(q + b * bs + i), s8);
+                int32_t t[8];
+                _mm256_storeu_si256((__m256i*)t, _mm256_add_epi32(v0, v1));
+                for (int j = 0; j < 8; j++) sum += t[j];
+            }
+            (void)sum;
+            xc[(size_t)m * nb + b] = 0;
+#endif
+        }
+    }
+}
+
+#if defined(HS_AVX512)
+/* one tile: MT rows x NT groups of 16 outputs, over all of K */
+#define HS_TILE(MT, NT, BS)                                                                                       \
+    static void tile_##MT##_##NT##_##BS(const int8_t* xq, int K, const float* xs, const int32_t* xc,               \
+                                        const uint8_t* wq, const uint16_t* ws, float* y, int ldy, int accumulate,  \
+                                        const uint8_t* pf) {                                                       \
+        const int bs = BS, nb = K / BS;                                                                           \
+        const size_t wg = (size_t)K * 16, sg = (size_t)nb * 16;                                                   \
+        __m512 acc[MT][NT];                                                                                       \
+        for (int m = 0; m < MT; m++)                                                                              \
+            for (int n = 0; n < NT; n++) acc[m][n] = _mm512_setzero_ps();                                         \
+        for (int b = 0; b < nb; b++) {                                                                            \
+            __m512i ia[MT][NT];                                                                                   \
+            for (int m = 0; m < MT; m++) {                                                                        \
+                __m512i c = _mm512_set1_epi32(xc[(size_t)m * nb + b]);                                            \
+                for (int n = 0; n < NT; n++) ia[m][n] = c;                                                        \
+            }                                                                                                     \
+            const uint8_t* wb = wq + (size_t)b * bs * 16;                                                         \
+            const int8_t* xb = xq + b * bs;                                                                       \
+            _Pragma("GCC unroll 8") for (int qd = 0; qd < BS / 4; qd++) {                                         \
+                __m512i w[NT];                                                                                    \
+                for (int n = 0; n < NT; n++) w[n] = _mm512_loadu_si512(wb + n * wg + qd * 64);                    \
+                if (pf)                                                                                           \
+                    for (int n = 0; n < NT; n++)                                                                  \
+                        _mm_prefetch((const char*)pf + n * wg + (size_t)b * bs * 16 + qd * 64, _MM_HINT_T1);      \
+                for (int m = 0; m < MT; m++) {                                                                    \
+                    int32_t x4;                                                                                   \
+                    memcpy(&x4, xb + (size_t)m * K + qd * 4, 4);                                                  \
+                    const __m512i xv = _mm512_set1_epi32(x4);                                                     \
+                    for (int n = 0; n < NT; n++) ia[m][n] = _mm512_dpbusd_epi32(ia[m][n], w[n], xv);              \
+                }                                                                                                 \
+            }                                                                                                     \
+            __m512 sc[NT];                                                                                        \
+            for (int n = 0; n < NT; n++)                                                                          \
+                sc[n] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + n * sg + (size_t)b * 16)));      \
+            for (int m = 0; m < MT; m++) {                                                                        \
+                const __m512 xm = _mm512_set1_ps(xs[(size_t)m * nb + b]);                                         \
+                for (int n = 0; n < NT; n++)                                                                      \
+                    acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][n]), _mm512_mul_ps(sc[n], xm), acc[m][n]);\
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int m = 0; m < MT; m++)                                                                              \
+            for (int n = 0; n < NT; n++) {                                                                        \
+                float* o = y + (size_t)m * ldy + n * 16;                                                          \
+                _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(acc[m][n], _mm512_loadu_ps(o)) : acc[m][n]);      \
+            }                                                                                                     \
+    }
+#else
+/* AVX2: a group of 16 outputs is two 8-lane halves */
+#define HS_TILE(MT, NT, BS)                                                                                       \
+    static void tile_##MT##_##NT##_##BS(const int8_t* xq, int K, const float* xs, const int32_t* xc,               \
+                                        const uint8_t* wq, const uint16_t* ws, float* y, int ldy, int accumulate,  \
+                                        const uint8_t* pf) {                                                       \
+        (void)xc;                                                                                                 \
+        const int bs = BS, nb = K / BS;                                                                           \
+        const size_t wg = (size_t)K * 16, sg = (size_t)nb * 16;                                                   \
+        const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);                           \
+        __m256 acc[MT][2 * NT];                                                                                   \
+        for (int m = 0; m < MT; m++)                                                                              \
+            for (int n = 0; n < 2 * NT; n++) acc[m][n] = _mm256_setzero_ps();                                     \
+        for (int b = 0; b < nb; b++) {                                                                            \
+            __m256i ia[MT][2 * NT];                                                                               \
+            for (int m = 0; m < MT; m++)                                                                          \
+                for (int n = 0; n < 2 * NT; n++) ia[m][n] = _mm256_setzero_si256();                               \
+            const uint8_t* wb = wq + (size_t)b * bs * 16;                                                         \
+            const int8_t* xb = xq + b * bs;                                                                       \
+            _Pragma("GCC unroll 8") for (int qd = 0; qd < BS / 4; qd++) {                                         \
+                if (pf)                                                                                           \
+                    for (int n = 0; n < NT; n++)                                                                  \
+                        _mm_prefetch((const char*)pf + n * wg + (size_t)b * bs * 16 + qd * 64, _MM_HINT_T1);      \
+                __m256i wsg[2 * NT], wab[2 * NT];                                                                 \
+                for (int n = 0; n < 2 * NT; n++) {                                                                \
+                    wsg[n] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(wb + (n / 2) * wg + qd * 64 +   \
+                                                                                  (n % 2) * 32)), flip);          \
+                    wab[n] = _mm256_abs_epi8(wsg[n]);                                                             \
+                }                                                                                                 \
+                for (int m = 0; m < MT; m++) {                                                                    \
+                    int32_t x4;                                                                                   \
+                    memcpy(&x4, xb + (size_t)m * K + qd * 4, 4);                                                  \
+                    const __m256i xv = _mm256_set1_epi32(x4);                                                     \
+                    for (int n = 0; n < 2 * NT; n++) {                                                            \
+                        __m256i p = _mm256_maddubs_epi16(wab[n], _mm256_sign_epi8(xv, wsg[n]));                   \
+                        ia[m][n] = _mm256_add_epi32(ia[m][n], _mm256_madd_epi16(p, ones));                        \
+                    }                                                                                             \
+                }                                                                                                 \
+            }                                                                                                     \
+            __m256 sc[2 * NT];                                                                                    \
+            for (int n = 0; n < 2 * NT; n++)                                                                      \
+                sc[n] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ws + (n / 2) * sg + (size_t)b * 16 +     \
+                                                                         (n % 2) * 8)));                          \
+            for (int m = 0; m < MT; m++) {                                                                        \
+                const __m256 xm = _mm256_set1_ps(xs[(size_t)m * nb + b]);                                         \
+                for (int n = 0; n < 2 * NT; n++)                                                                  \
+                    acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][n]), _mm256_mul_ps(sc[n], xm), acc[m][n]);\
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int m = 0; m < MT; m++)                                                                              \
+            for (int n = 0; n < 2 * NT; n++) {                                                                    \
+                float* o = y + (size_t)m * ldy + n * 8;                                                           \
+                _mm256_storeu_ps(o, accumulate ? _mm256_add_ps(acc[m][n], _mm256_loadu_ps(o)) : acc[m][n]);      \
+            }                                                                                                     \
+    }
+#endif
+
+typedef void (*tile_fn)(const int8_t*, int, const float*, const int32_t*, const uint8_t*, const uint16_t*, float*,
+                        int, int, const uint8_t*);
+
+/* AVX-512 tiles: MT x NT = 6 x 2 for batches (measured best of 2x4 .. 8x2 on Zen 4 at M = 16 and 608), 1 x 4 for
+   one row (bandwidth-bound: more independent weight streams); the M tail uses smaller MT */
+#define HS_TILES(BS)                                                                                              \
+    HS_TILE(1, 1, BS) HS_TILE(1, 2, BS) HS_TILE(1, 4, BS) HS_TILE(2, 1, BS) HS_TILE(2, 2, BS) HS_TILE(3, 1, BS)   \
+    HS_TILE(3, 2, BS) HS_TILE(4, 1, BS) HS_TILE(4, 2, BS) HS_TILE(5, 1, BS) HS_TILE(5, 2, BS) HS_TILE(6, 1, BS)   \
+    HS_TILE(6, 2, BS)
+#define HS_TILE_TABLE(BS)                                                                                         \
+    {{0, 0, 0, 0, 0},                                                                                             \
+     {0, tile_1_1_##BS, tile_1_2_##BS, 0, tile_1_4_##BS},                                                         \
+     {0, tile_2_1_##BS, tile_2_2_##BS, 0, 0},                                                                     \
+     {0, tile_3_1_##BS, tile_3_2_##BS, 0, 0},                                                                     \
+     {0, tile_4_1_##BS, tile_4_2_##BS, 0, 0},                                                                     \
+     {0, tile_5_1_##BS, tile_5_2_##BS, 0, 0},                                                                     \
+     {0, tile_6_1_##BS, tile_6_2_##BS, 0, 0}}
+#if defined(HS_AVX512)
+HS_TILES(16)
+HS_TILES(32)
+#else
+HS_TILE(1, 1, 16) HS_TILE(2, 1, 16) HS_TILE(1, 1, 32) HS_TILE(2, 1, 32)
+#endif
+#if defined(HS_AVX512)
+static const tile_fn hs_tiles16[7][5] = HS_TILE_TABLE(16);
+static const tile_fn hs_tiles32[7][5] = HS_TILE_TABLE(32);
+#define HS_MT 6
+#define HS_NT 2
+#else
+static const tile_fn hs_tiles16[3][5] = {{0}, {0, tile_1_1_16}, {0, tile_2_1_16}};
+static const tile_fn hs_tiles32[3][5] = {{0}, {0, tile_1_1_32}, {0, tile_2_1_32}};
+#define HS_MT 2
+#define HS_NT 1
+#endif
+
+/* y [M, N] (row stride ldy) = or += x W^T, x already quantized (hs_quant_rows with W's block size). Output
+   groups outer, rows inner: a group's weights are read from memory once and stay in L1/L2 for the other row
+   tiles; the first row tile prefetches the next group's into L2 (at one row: 1.2-1.4x the bandwidth of no
+   prefetch, while prefetching into L1 was slower than none). */
+static void hs_gemm(const int8_t* xq, const float* xs, const int32_t* xc, int M, const QMat* W, float* y, int ldy,
+                    int accumulate) {
+    const int K = W->K, G = W->N / 16, nb = K / W->bs;
+    const size_t wg = (size_t)K * 16, sg = (size_t)nb * 16;
+    const int NT = M == 1 && HS_NT > 1 ? 4 : HS_NT, MT = HS_MT;
+    for (int g = 0; g < G;) {
+        const int nt = G - g >= NT ? NT : 1; /* the last G % NT groups one at a time */
+        const uint8_t* next = g + nt < G ? W->q + (size_t)(g + nt) * wg : NULL;
+        for (int m0 = 0; m0 < M; m0 += MT) {
+            const int mt = M - m0 < MT ? M - m0 : MT;
+            const uint8_t* pf = m0 == 0 && next && g + 2 * nt <= G ? next : NULL;
+            (W->bs == 16 ? hs_tiles16 : hs_tiles32)[mt][nt](xq + (size_t)m0 * K, K, xs + (size_t)m0 * nb,
+                                                            xc + (size_t)m0 * nb, W->q + (size_t)g * wg,
+                                                            W->s + (size_t)g * sg, y + (size_t)m0 * ldy + g * 16, ldy,
+                                                            accumulate, pf);
+        }
+        g += nt;
+    }
+}
+#endif
