@@ -67,6 +67,25 @@ QUESTIONS = [
     "Why is the sky blue?", "How do airplanes stay in the air?", "Name a famous painting and its painter.",
     "What causes the seasons on Earth?", "Suggest a name for a bakery.", "How many legs does a spider have?",
     "What is the boiling point of water in Fahrenheit?",
+    # 48 more, so that no request of a run repeats a prompt (32 closed-loop requests at 16 streams, 64 per open
+    # rate): a repeated prompt would be a full prefix-cache hit for hetserve and measure the cache, not prefill
+    "What is the largest planet in our solar system?", "Write a short poem about autumn leaves.",
+    "Explain how a rainbow forms.", "Name three kinds of clouds.", "Translate 'thank you' into French.",
+    "What is 15 plus 27?", "Give me a tip for sleeping better.", "Who painted the Mona Lisa?",
+    "Describe a dog in one sentence.", "Why do leaves change color?", "How does a refrigerator keep food cold?",
+    "Name a famous composer and one of his works.", "What causes thunder?", "Suggest a name for a coffee shop.",
+    "How many days are in a leap year?", "What is the freezing point of water in Celsius?",
+    "What is the smallest prime number?", "Write a limerick about a frog.", "Explain gravity to a child.",
+    "List three primary colors.", "Translate 'good night' into German.", "What is 9 times 8?",
+    "Give me a tip for saving money.", "Who discovered penicillin?", "Describe the ocean in one sentence.",
+    "Why is the ocean salty?", "How do bees make honey?", "Name a famous novel and its author.",
+    "What causes ocean tides?", "Suggest a name for a pet turtle.", "How many continents are there?",
+    "What is the speed of sound in air?", "What is the tallest mountain on Earth?",
+    "Write a two-line rhyme about the moon.", "Explain what a volcano is.", "List three fruits that are red.",
+    "Translate 'see you soon' into Italian.", "What is 100 divided by 4?", "Give me a tip for staying focused.",
+    "Who invented the telephone?", "Describe a forest in one sentence.", "Why do we have day and night?",
+    "How do fish breathe underwater?", "Name a famous scientist and a discovery.", "What causes earthquakes?",
+    "Suggest a name for a book club.", "How many hours are in a week?", "What is the chemical symbol for gold?",
 ]
 LONG_SYSTEM = ("You are the customer support assistant of Northwind Travel. Be brief and polite, never invent "
                "prices or availability, and point customers to the booking page for any change to a booking. ") * 3

@@ -166,7 +166,11 @@ def library(isa: Optional[str] = None) -> ctypes.CDLL:
     isa = isa or pick_isa()
     with _LIBS_LOCK:
         if isa not in _LIBS:
-            lib = ctypes.CDLL(str(library_path(isa)))
+            path = library_path(isa)
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:  # a truncated / foreign file in the cache
+                raise NativeUnavailable(f"cannot load {path} ({e}); delete it to rebuild") from None
             if lib.hs_abi() != ABI:
                 raise NativeUnavailable(f"native engine ABI {lib.hs_abi()} != {ABI}: stale build cache?")
             vp, i32 = ctypes.c_void_p, ctypes.c_int32
@@ -376,6 +380,8 @@ class NativeModel:
     def qgemm(self, name: str, x: np.ndarray) -> np.ndarray:
         """x [M, K] float32 times the packed matrix `name` ("layer0.qkv", "lm_head", ...): the GEMM alone."""
         W = self._qmats[name]
+        if self._scratch is None:
+            raise RuntimeError("native engine closed")
         x = np.ascontiguousarray(x, np.float32)
         if x.ndim != 2 or x.shape[1] != W.K:
             raise ValueError(f"x must be [M, {W.K}], got {x.shape}")
@@ -443,6 +449,8 @@ def prefill(model: NativeModel, ids: Sequence[int], past_k: Optional[np.ndarray]
     """One sequence after an optional past [L, KVH, P, D]: (logits [V], new k, v [L, KVH, T, D])."""
     L, H, D = model.kv_shape
     P, T = (0 if past_k is None else int(past_k.shape[2])), len(ids)
+    if T < 1:
+        raise ValueError("prefill needs at least one token (its logits give the next token)")
     k = np.zeros((L, H, P + T, D), np.float32)
     v = np.zeros_like(k)
     if P:
@@ -465,15 +473,21 @@ def mask_lengths(attention_mask: np.ndarray, P: int, T: int) -> Tuple[np.ndarray
 def forward(model: NativeModel, input_ids, position_ids, attention_mask, past_key, past_value, last_index,
             name: str = "native"):
     """runtime.Engine.forward semantics (right-padded past and new tokens, causal_mask's masks): logits [B, V]
-    at last_index, new k, v [B, L, KVH, T, D] (padded tokens' K/V left zero)."""
+    at last_index, new k, v [B, L, KVH, T, D] (padded tokens' K/V left zero). With a past (a decode step, as the
+    quality gate's teacher forcing runs them) the KV is held in fp16 like the decode server's NativeBatch, so the
+    figures measure what it serves; without one (a prompt) in fp32 like the prefill server's jobs."""
     from .runtime import EngineError, causal_mask
 
     ids = np.ascontiguousarray(input_ids, np.int64)
+    if ids.ndim != 2:
+        raise EngineError(f"engine {name!r}: input_ids must be [B, T], got {ids.shape}")
     B, T = ids.shape
     P = int(past_key.shape[3])
+    if np.asarray(attention_mask).shape != (B, 1, T, P + T):
+        raise EngineError(f"engine {name!r}: attention_mask must be [B, 1, T, P + T] = {[B, 1, T, P + T]}, got "
+                          f"{list(np.asarray(attention_mask).shape)}")
     past_lens, new_lens = mask_lengths(attention_mask, P, T)
-    if (np.asarray(attention_mask).shape != (B, 1, T, P + T)
-            or not np.array_equal(attention_mask, causal_mask(past_lens, new_lens, P, T))
+    if (not np.array_equal(attention_mask, causal_mask(past_lens, new_lens, P, T))
             or not np.array_equal(np.asarray(position_ids)[np.arange(T)[None, :] < new_lens[:, None]],
                                   (past_lens[:, None] + np.arange(T)[None, :])[np.arange(T)[None, :]
                                                                                < new_lens[:, None]])):
@@ -483,11 +497,12 @@ def forward(model: NativeModel, input_ids, position_ids, attention_mask, past_ke
     if np.any(last >= new_lens) or np.any(last < 0):
         raise EngineError(f"engine {name!r}: last_index must point at a real (unpadded) token")
     L, H, D = model.kv_shape
+    dtype = np.float16 if P else np.float32
     bufs = []
     seqs = []
     for b in range(B):
         pl, nl = int(past_lens[b]), int(new_lens[b])
-        k = np.zeros((L, H, pl + nl, D), np.float32)
+        k = np.zeros((L, H, pl + nl, D), dtype)
         v = np.zeros_like(k)
         k[:, :, :pl], v[:, :, :pl] = past_key[b, :, :, :pl], past_value[b, :, :, :pl]
         bufs.append((k, v))

@@ -325,7 +325,7 @@ static void silu_mul(const float* gu, int I, float* out) {
     const float* u = gu + I;
     for (int i = 0; i < I; i += VW) {
         const vf g = vload(gu + i);
-        const vf sg = vdiv(g, vadd(vset1(1.0f), vexp(vsub(vzero(), g))));
+        const vf sg = vmul(g, vrcp(vadd(vset1(1.0f), vexp(vsub(vzero(), g)))));
         vstore(out + i, vmul(sg, vload(u + i)));
     }
 }

@@ -31,6 +31,11 @@ typedef __m512i vi;
 #define vcast_f(x) _mm512_castsi512_ps(x)
 static inline float vhsum(vf x) { return _mm512_reduce_add_ps(x); }
 static inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
+/* 1 / x: 14-bit estimate + one Newton step (~23 bits, as a division; a zmm division is ~10x the cost) */
+static inline vf vrcp(vf x) {
+    const vf r = _mm512_rcp14_ps(x);
+    return _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.0f)));
+}
 #else
 #define VW 8
 typedef __m256 vf;
@@ -64,6 +69,11 @@ static inline float vhmax(vf x) {
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     return _mm_cvtss_f32(h);
+}
+/* 1 / x: 12-bit estimate + one Newton step (~22 bits) */
+static inline vf vrcp(vf x) {
+    const vf r = _mm256_rcp_ps(x);
+    return _mm256_mul_ps(r, _mm256_fnmadd_ps(x, r, _mm256_set1_ps(2.0f)));
 }
 #endif
 
