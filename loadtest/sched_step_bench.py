@@ -1,5 +1,6 @@
 """Decode *scheduler* step time (engine + everything the scheduler does per step: KV bookkeeping, feeds, sampling,
-callbacks), split into time inside ONNX Runtime and Python around it. One JSON line per batch size.
+callbacks), split into time inside the engine (ONNX Runtime, or the native engine's C call; "ort_ms") and Python
+around it. One JSON line per batch size.
 
 Runs the DecodeScheduler of the hetserve tree on `--tree` (default: this checkout), so an older commit can be
 measured side by side (`git archive <commit> python_backends | tar -x -C /tmp/old`), e.g. (loadtest/README.md):
@@ -43,6 +44,21 @@ class _TimedSession:
             self.seconds += time.perf_counter() - t
 
 
+class _TimedNative:
+    """Adds up the seconds of a NativeModel's C calls (NativeModel.run)."""
+
+    def __init__(self, model):
+        self.seconds, real = 0.0, model.run
+
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t
+        model.run = run
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", default=str(Path(__file__).resolve().parents[1] / "python_backends"))
@@ -61,7 +77,10 @@ def main(argv=None):
     from hetserve.scheduler import DecodeScheduler, Sequence
 
     eng = Engine(a.engine_dir, a.engine, threads=1)
-    eng._sess = timed = _TimedSession(eng._sess)
+    if getattr(eng, "native", None) is not None:  # the native engine: time its C calls
+        timed = _TimedNative(eng.native)
+    else:
+        eng._sess = timed = _TimedSession(eng._sess)
     c = eng.config
     rng = np.random.default_rng(0)
     shape = (c.num_layers, c.num_kv_heads, a.context, c.head_dim)

@@ -88,7 +88,7 @@ class DecodeScheduler:
         self.waiting: Deque[Sequence] = collections.deque()
         self.cv = threading.Condition()
         self.stats = {"steps": 0, "tokens": 0, "batch_size": 0, "queue_depth": 0, "admitted": 0,
-                      "finished": 0, "cancelled": 0, "step_seconds": 0.0, "preempted": 0, "resumed": 0,
+                      "finished": 0, "cancelled": 0, "step_seconds": 0.0, "engine_seconds": 0.0, "preempted": 0, "resumed": 0,
                       "kv_recomputed": 0, "kv_dropped": 0}
         self._stop = False
         self._idle_wait = idle_wait_s
@@ -261,7 +261,9 @@ class DecodeScheduler:
                 continue
             n = len(seqs)
             # the engine writes each row's new K/V into the batch (in place for GQA); blocks were reserved above
+            te = time.monotonic()
             logits = self.batches[prec].step(np.fromiter((s.tokens[-1] for s in seqs), np.int64, n))
+            self.stats["engine_seconds"] += time.monotonic() - te
             done = []
             for b, s in enumerate(seqs):
                 tok = sample(logits[b], s.params, len(s.tokens))
