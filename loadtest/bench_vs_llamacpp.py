@@ -87,6 +87,12 @@ QUESTIONS = [
     "How do fish breathe underwater?", "Name a famous scientist and a discovery.", "What causes earthquakes?",
     "Suggest a name for a book club.", "How many hours are in a week?", "What is the chemical symbol for gold?",
 ]
+# Request k of a run gets prompt k of STYLES x QUESTIONS (512 distinct, ~37-44 tokens), and every point and round
+# of the run starts where the previous one stopped (both systems of a round get the same prompts): no prompt is
+# sent twice before 512 requests, so hetserve's prefix cache only ever shares the chat template's system prompt,
+# as it would across real users, instead of replaying whole prompts it has seen.
+STYLES = ["", "Briefly: ", "In one sentence: ", "Please answer: ", "Quick question. ", "Be concise. ",
+          "Answer simply: ", "For a student: "]
 LONG_SYSTEM = ("You are the customer support assistant of Northwind Travel. Be brief and polite, never invent "
                "prices or availability, and point customers to the booking page for any change to a booking. ") * 3
 
@@ -161,13 +167,14 @@ def run_level(fn: Callable[[int], Result], streams: int, per_stream: int) -> dic
 
 
 def run_batched_level(lb: BatchedProc, prompts: List[List[int]], streams: int, per_stream: int,
-                      max_tokens: int) -> dict:
-    """`streams` sequences started together, `per_stream` times (closed loop, like run_level)."""
+                      max_tokens: int, base: int = 0) -> dict:
+    """`streams` sequences started together, `per_stream` times (closed loop, like run_level; prompt
+    base + s + j * streams)."""
     results: List[Result] = []
     t0 = time.perf_counter()
     for j in range(per_stream):
-        results += [Result(r) for r in lb.run([prompts[(s + j * streams) % len(prompts)] for s in range(streams)],
-                                              max_tokens)]
+        results += [Result(r) for r in lb.run([prompts[(base + s + j * streams) % len(prompts)]
+                                               for s in range(streams)], max_tokens)]
     return summarize(results, time.perf_counter() - t0, streams)
 
 
@@ -426,7 +433,7 @@ def main(argv=None):
     tok = load_tokenizer(a.engine_dir)
     system = LONG_SYSTEM if a.system_prompt == "long" else None
     texts = [tok.apply_chat_template(([{"role": "system", "content": system}] if system else [])
-                                     + [{"role": "user", "content": q}]) for q in QUESTIONS]
+                                     + [{"role": "user", "content": st + q}]) for st in STYLES for q in QUESTIONS]
     ids = [tok.encode(t) for t in texts]
     gguf = a.gguf or read_manifest(a.engine_dir)["source"]
     log_dir = Path(a.json).parent
@@ -466,8 +473,15 @@ def main(argv=None):
                 llama_proc = start_llama(gguf, a.llama_port, a.llama_threads, 4096, log_dir / "llama.log")
                 lurl = f"http://127.0.0.1:{a.llama_port}"
             fns["llama.cpp"] = lambda i, lurl=lurl: run_llama(lurl, texts[i % len(texts)], a.max_tokens)
+        base = [0]  # first prompt of the next point (see STYLES)
+
+        def take(n: int) -> int:
+            b = base[0]
+            base[0] += n
+            return b
+
         for name, fn in fns.items():  # warm all (lazy init, first-request costs)
-            for i in range(2):
+            for i in range(len(ids) - 2, len(ids)):
                 fn(i)
             print(f"{name}: warm", flush=True)
 
@@ -485,11 +499,13 @@ def main(argv=None):
         for c in levels:
             per: Dict[str, List[dict]] = {n: [] for n in fns}
             for rnd in range(a.rounds):
+                b0 = take(c * a.requests_per_stream)
                 for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
                     if name == "llama.cpp-batched":
-                        run = lambda: run_batched_level(lb, ids, c, a.requests_per_stream, a.max_tokens)  # noqa: E731
+                        run = lambda: run_batched_level(lb, ids, c, a.requests_per_stream, a.max_tokens,  # noqa: E731
+                                                        b0)
                     else:
-                        run = lambda: run_level(fns[name], c, a.requests_per_stream)  # noqa: E731
+                        run = lambda: run_level(lambda i: fns[name](b0 + i), c, a.requests_per_stream)  # noqa: E731
                     per[name].append(point(f"{c} streams {name}", run))
             table[c] = {n: merge(rs) for n, rs in per.items()}
 
@@ -498,16 +514,17 @@ def main(argv=None):
             per = {n: [] for n in fns}
             for rnd in range(a.rounds):
                 arrivals = poisson_schedule(rate, a.open_requests, a.seed + rnd)
+                b0 = take(len(arrivals))
                 for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
                     if name == "llama.cpp-batched":
-                        def run(arrivals=arrivals):
+                        def run(arrivals=arrivals, b0=b0):
                             t0 = time.perf_counter()
-                            res = lb.run_open([(t, ids[k % len(ids)]) for k, t in enumerate(arrivals)],
+                            res = lb.run_open([(t, ids[(b0 + k) % len(ids)]) for k, t in enumerate(arrivals)],
                                               a.max_tokens)
                             return summarize_open(res, time.perf_counter() - t0, rate, slo)
                     else:
-                        def run(arrivals=arrivals, fn=fns[name]):
-                            res, wall = run_open_level(fn, arrivals)
+                        def run(arrivals=arrivals, fn=fns[name], b0=b0):
+                            res, wall = run_open_level(lambda k: fn(b0 + k), arrivals)
                             return summarize_open(res, wall, rate, slo)
                     per[name].append(point(f"{rate:g} req/s {name}", run))
             open_table[rate] = {n: merge(rs) for n, rs in per.items()}

@@ -32,5 +32,6 @@ class BoundedExecutor:
         fut.add_done_callback(lambda _: self._slots.release())
         return fut
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def shutdown(self, wait: bool = False) -> None:
+        """wait: run what was submitted and wait for it; else drop what has not started."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)

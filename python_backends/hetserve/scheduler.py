@@ -88,8 +88,8 @@ class DecodeScheduler:
         self.waiting: Deque[Sequence] = collections.deque()
         self.cv = threading.Condition()
         self.stats = {"steps": 0, "tokens": 0, "batch_size": 0, "queue_depth": 0, "admitted": 0,
-                      "finished": 0, "cancelled": 0, "step_seconds": 0.0, "engine_seconds": 0.0, "preempted": 0, "resumed": 0,
-                      "kv_recomputed": 0, "kv_dropped": 0}
+                      "finished": 0, "cancelled": 0, "step_seconds": 0.0, "engine_seconds": 0.0, "preempted": 0,
+                      "resumed": 0, "kv_recomputed": 0, "kv_dropped": 0}
         self._stop = False
         self._idle_wait = idle_wait_s
         self.snapshotter = None  # kv.snapshot.Snapshotter: after_step(sched) / on_finish(request_id)

@@ -17,7 +17,7 @@ from .. import config
 from ..model.checkpoint import load_checkpoint
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
-BUILDER_VERSION = 6  # 6: native INT8 engine (engines/native.py); 5: INT8 scheme, QDQ INT8/FP8 graphs, quality
+BUILDER_VERSION = 7  # 7: native quality on its fp16 KV cache; 6: native INT8 engine; 5: INT8 scheme, QDQ, quality
 INT8_BLOCK = 32
 
 

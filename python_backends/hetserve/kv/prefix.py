@@ -1,6 +1,6 @@
 """Prefix cache for the prefill server: reuse the KV of a repeated prompt prefix (system prompt, chat template).
 
-Prompts are cut into fixed-size token blocks (BLOCK_TOKENS, default 16). Block i is keyed by a hash chain
+Prompts are cut into fixed-size token blocks (HETSERVE_PREFIX_BLOCK_TOKENS, default 8). Block i is keyed by a hash chain
 h_i = blake2b(h_{i-1} || tokens of block i), so a key names the whole prefix up to and including that block
 and only whole-block prefixes can match. Each entry holds the KV of its own block only ([L,KVH,BLOCK,D] fp32,
 exactly what the prefill engine produced) plus its tokens, which are compared on lookup (a hash collision can
@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import config
 
-BLOCK_TOKENS = 16
+BLOCK_TOKENS = config.VARS["HETSERVE_PREFIX_BLOCK_TOKENS"].default  # 8: see there
 
 
 def block_hashes(ids: Sequence[int], block: int = BLOCK_TOKENS, seed: bytes = b"") -> List[bytes]:
@@ -65,7 +65,7 @@ class PrefixCache:
     def from_env(cls, seed: str = "", default_mb: float = 256.0) -> "PrefixCache":
         """Budget from HETSERVE_PREFIX_CACHE_MB (default 256; 0 disables)."""
         mb = config.get("HETSERVE_PREFIX_CACHE_MB") if config.is_set("HETSERVE_PREFIX_CACHE_MB") else default_mb
-        return cls(int(mb * (1 << 20)), seed=seed)
+        return cls(int(mb * (1 << 20)), block=int(config.get("HETSERVE_PREFIX_BLOCK_TOKENS")), seed=seed)
 
     @property
     def enabled(self) -> bool:

@@ -28,6 +28,7 @@ from ..stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, Orchestr
 from ..stages.types import GenerateRequest, PrefillJob, PrefillResult
 from .common import (
     PREFILL_HOP,
+    CancelCheck,
     RequestError,
     classify,
     engine_dir,
@@ -78,7 +79,9 @@ class Sink(TextStreamer):
     """TokenSink over the request's response sender (stream=true: one response per step)."""
 
     def cancelled(self) -> bool:
-        return bool(getattr(self.sender, "is_cancelled", lambda: False)())
+        if not hasattr(self, "_cancel"):
+            self._cancel = CancelCheck(self.sender)
+        return self._cancel()
 
 
 class WholeAnswer(Sink):

@@ -107,7 +107,8 @@ class TritonPythonModel:
                                    config.get("HETSERVE_KV_DTYPE"))
         self.stage = PrefillStage(engine, KVSender(on_fallback=self._record_fallback), defaults,
                                   BatchConfig.from_env(), REGISTRY, prefix=self.prefix, on_forward=self._on_forward,
-                                  classify_failure=transfer_failure_reason)
+                                  classify_failure=transfer_failure_reason,
+                                  send_threads=int(config.get("HETSERVE_PREFILL_SEND_THREADS")))
         prepare = [t for t in to_prepare(config.get("HETSERVE_KV_PREPARE"), defaults.transport)
                    if not self.stage.unavailable_reason(t)]
         if prepare:  # in the background: the server is ready for grpc meanwhile; a send waits for its transport
