@@ -49,8 +49,8 @@ def test_gate_can_fail(engine_dir):
 
 
 def test_int8_vs_llamacpp_q8_0_same_texts(engine_dir, man, tmp_path_factory):
-    """INT8 decode mean KLD (both INT8 engines) <= 0.7x llama.cpp Q8_0's on the held-out texts (Q8_0 made by llama.cpp's own
-    quantizer from the same GGUF; logits of llama.cpp F32 and our FP32 engine agree to ~1e-6 KLD)."""
+    """INT8 decode mean KLD (both INT8 engines) <= 0.7x llama.cpp Q8_0's on the held-out texts (Q8_0 made by
+    llama.cpp's own quantizer from the same GGUF; logits of llama.cpp F32 and our FP32 engine agree to ~1e-6 KLD)."""
     pytest.importorskip("llama_cpp")
     rows = quality.llamacpp_rows(engine_dir, str(tmp_path_factory.mktemp("llamacpp")))
     q8 = rows["llamacpp_q8_0_vs_llamacpp_f32"]["mean_kld"]

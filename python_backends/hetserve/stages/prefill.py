@@ -4,8 +4,8 @@ the requested transport and answer through the call's reply.
 
 Lifecycle of one call: submit() refuses bad input at once (RequestError) and a full queue (Overloaded, from the
 batcher); otherwise exactly one of reply.done(PrefillOutcome) or reply.error(exc) follows, from the batcher
-thread or a send thread. A failed KV transfer is an outcome (transfer_ok=False), not an error: the decode server then recomputes
-the prompt, and the orchestrator counts it.
+thread or a send thread. A failed KV transfer is an outcome (transfer_ok=False), not an error: the decode server
+then recomputes the prompt, and the orchestrator counts it.
 
 triton/prefill.py converts tensors <-> PrefillCall / PrefillOutcome and owns who may name a decode server.
 """
