@@ -182,24 +182,34 @@ def test_batched_decode_equals_unbatched(engine_dir, prompt_ids):
         sched.close()
 
 
-def test_int8_decode_teacher_forced_agreement(engine_dir, prompt_ids, reference_tokens):
-    """INT8 decode engine vs the transformers reference, teacher-forced over 10 prompts x 32 tokens."""
+def _teacher_forced_agreement(engine_dir, name, prompt_ids, reference_tokens):
     from hetserve.engines.runtime import Engine
 
     pre = Engine(engine_dir, "prefill_fp32", threads=2)
-    dec = Engine(engine_dir, "decode_int8", threads=2)
+    dec = Engine(engine_dir, name, threads=2)
     agree = total = 0
     for p, ids in prompt_ids.items():
         ref = reference_tokens[p]
         _, k, v = pre.prefill(ids)
-        lo, _, _ = dec.prefill([ref[0]], k, v)  # INT8 decode continues from FP32-prefill KV
         preds = []
-        for i in range(1, 32):
+        for i in range(1, 32):  # INT8 decode continues from FP32-prefill KV, fed the reference's tokens
             lo, k2, v2 = dec.prefill([ref[i - 1]], k, v)
             k, v = np.concatenate([k, k2], 2), np.concatenate([v, v2], 2)
             preds.append(int(lo.argmax()))
         agree += sum(int(a == b) for a, b in zip(preds, ref[1:]))
         total += 31
-    rate = agree / total
-    print(f"\nINT8 decode teacher-forced agreement with reference: {rate:.3f} ({agree}/{total})")
-    assert rate >= 0.90
+    return agree, total
+
+
+def test_int8_decode_teacher_forced_agreement(engine_dir, prompt_ids, reference_tokens):
+    """Both INT8 decode engines vs the transformers reference, teacher-forced over 10 prompts x 31 tokens. The
+    native engine (the decode server's default INT8 engine since issue 11) stays within 1% (3 tokens) of the ONNX
+    Runtime one it replaced: on this small set the two differ by near-tie flips (measured 303 vs 305 of 310 on a
+    Zen 4 box); the held-out quality gate (600 tokens, tests/test_quality.py) has the native one ahead on KLD
+    (0.00244 vs 0.00267) and same top-1 (96.8% vs 95.8%)."""
+    got = {n: _teacher_forced_agreement(engine_dir, n, prompt_ids, reference_tokens)
+           for n in ("decode_int8", "decode_int8_native")}
+    for n, (agree, total) in got.items():
+        print(f"\n{n} teacher-forced agreement with reference: {agree / total:.3f} ({agree}/{total})")
+        assert agree / total >= 0.90
+    assert got["decode_int8_native"][0] >= got["decode_int8"][0] - 3
