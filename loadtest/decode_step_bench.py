@@ -4,10 +4,11 @@ steps per engine back to back; medians over rounds. Pin it to one core for numbe
 
   taskset -c 1 python3 loadtest/decode_step_bench.py --engines decode_int8_standard,decode_int8 --batch 1,16
 
-Reports per engine and batch: median step ms, of which inside ONNX Runtime (sess.run) and Python around it,
-tok/s = B / step, and the ratio to the first engine. --profile-ops instead runs each engine once more with ONNX
-Runtime profiling on and prints the kernel time per op type (profiling adds a per-node cost, so its totals are
-above the unprofiled step time; use it for the shares).
+Reports per engine and batch: median step ms, of which inside the engine (ONNX Runtime's sess.run, or the native
+engine's C call; column "ORT ms") and Python around it, tok/s = B / step, and the ratio to the first engine.
+--profile-ops instead runs each engine once more with ONNX Runtime profiling on and prints the kernel time per op
+type (profiling adds a per-node cost, so its totals are above the unprofiled step time; use it for the shares);
+for the native engine it prints the time per section of its C forward pass (NativeModel.profile).
 """
 from __future__ import annotations
 
@@ -26,8 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_backends"))
 
 
 def _timed_run(batch):
-    """Wrap the engine call of a batch so the time inside ONNX Runtime is counted separately."""
+    """Wrap the engine call of a batch so the time inside the engine (ONNX Runtime, or the native engine's C call)
+    is counted separately."""
     acc = {"ort": 0.0}
+    if hasattr(batch, "_model"):  # NativeBatch: NativeModel.run
+        model, real_run = batch._model, batch._model.run
+
+        def nrun(*a, **k):
+            t = time.perf_counter()
+            try:
+                return real_run(*a, **k)
+            finally:
+                acc["ort"] += time.perf_counter() - t
+        model.run = nrun
+        return acc
     if hasattr(batch, "_sess"):  # GqaBatch: run_with_iobinding
         sess, real = batch._sess, batch._sess.run_with_iobinding
 
@@ -125,6 +138,17 @@ def profile_ops(a):
             for _ in range(B):
                 bt.add(k0, k0)
             toks = rng.integers(0, c.vocab_size, B)
+            if getattr(e, "native", None) is not None:  # the native engine times its own sections
+                bt.step(toks)
+                e.native.profile()
+                for _ in range(a.steps):
+                    toks = bt.step(toks).argmax(1)
+                sec = e.native.profile()
+                tot = sum(sec.values())
+                print(f"batch {B} {n}: {tot / a.steps * 1e3:.2f} ms in the C forward per step (sections)")
+                for name, v in sorted(sec.items(), key=lambda kv: -kv[1]):
+                    print(f"    {name:<34} {v / a.steps * 1e3:7.2f} ms {100 * v / tot:5.1f}%")
+                continue
             for _ in range(a.steps):
                 toks = bt.step(toks).argmax(1)
             events = json.load(open(e.end_profiling()))

@@ -506,7 +506,7 @@ def test_pools_precisions_and_accelerators(rendered):
             assert pre == "prefill_fp16_trt" and dec in ("decode_int8_trt", "decode_fp8_trt")
             assert env["hetserve-prefill"]["HETSERVE_DECODE_PRECISION"] == env["hetserve-decode"][
                 "HETSERVE_DECODE_PRECISION"] == dec.split("_")[1]
-        engines = set(re.findall(r'"(\w+_(?:fp32|fp16|int8|fp8)(?:_trt)?)"',
+        engines = set(re.findall(r'"(\w+_(?:fp32|fp16|int8|fp8)(?:_trt|_native)?)"',
                                  (ROOT / "python_backends/hetserve/engines/builder.py").read_text()))
         named = {env["hetserve-prefill"]["HETSERVE_PREFILL_ENGINE"], *env["hetserve-decode"][
             "HETSERVE_DECODE_ENGINES"].split(",")}

@@ -9,7 +9,8 @@ from hetserve.kv import prefix as prefix_mod
 from hetserve.kv.prefix import BLOCK_TOKENS, PrefixCache, block_hashes
 
 L, H, D = 2, 1, 4
-BLK_BYTES = 2 * L * H * BLOCK_TOKENS * D * 4  # K + V of one block, fp32
+B = 16  # the data-structure tests below are written for 16-token blocks (the servers use BLOCK_TOKENS, 8)
+BLK_BYTES = 2 * L * H * B * D * 4  # K + V of one block, fp32
 
 
 def kv(n, base=0.0):
@@ -20,19 +21,19 @@ def kv(n, base=0.0):
 # ---- hashing --------------------------------------------------------------------------------------
 def test_block_hashes_chain_whole_blocks_only():
     a = list(range(40))
-    assert len(block_hashes(a)) == 2  # 40 tokens -> 2 whole blocks, the partial third gets no hash
-    assert block_hashes(a) == block_hashes(a[:32] + [999] * 7)  # the tail beyond whole blocks is irrelevant
+    assert len(block_hashes(a, B)) == 2  # 40 tokens -> 2 whole blocks, the partial third gets no hash
+    assert block_hashes(a, B) == block_hashes(a[:32] + [999] * 7, B)  # the tail beyond whole blocks is irrelevant
     b = [7] + a[1:]
-    ha, hb = block_hashes(a), block_hashes(b)
+    ha, hb = block_hashes(a, B), block_hashes(b, B)
     assert ha[0] != hb[0] and ha[1] != hb[1]  # a change in block 0 changes every later key (chain)
-    assert block_hashes(a[:16] + [5] * 16)[0] == ha[0]
-    assert block_hashes(a, seed=b"other-model") != ha
-    assert block_hashes(list(range(15))) == []
+    assert block_hashes(a[:16] + [5] * 16, B)[0] == ha[0]
+    assert block_hashes(a, B, seed=b"other-model") != ha
+    assert block_hashes(list(range(15)), B) == []
 
 
 # ---- lookup / insert ------------------------------------------------------------------------------
 def test_lookup_longest_prefix_and_leaves_one_token():
-    c = PrefixCache(1 << 20)
+    c = PrefixCache(1 << 20, block=B)
     ids = list(range(100, 148))  # 3 blocks
     k, v = kv(48)
     assert c.insert(ids, k, v) == 3
@@ -53,7 +54,7 @@ def test_lookup_longest_prefix_and_leaves_one_token():
 
 
 def test_insert_is_idempotent_and_copies():
-    c = PrefixCache(1 << 20)
+    c = PrefixCache(1 << 20, block=B)
     ids = list(range(32))
     k, v = kv(40)
     assert c.insert(ids + [1] * 8, k, v) == 2
@@ -64,7 +65,7 @@ def test_insert_is_idempotent_and_copies():
 
 
 def test_lru_budget_evicts_leaves_first():
-    c = PrefixCache(3 * BLK_BYTES)
+    c = PrefixCache(3 * BLK_BYTES, block=B)
     sys_ids = list(range(16))
     a = sys_ids + [1] * 16 + [2] * 16
     c.insert(a, *kv(48))
@@ -81,25 +82,25 @@ def test_lru_budget_evicts_leaves_first():
 
 
 def test_disabled_and_tiny_budget():
-    c = PrefixCache(0)
+    c = PrefixCache(0, block=B)
     assert not c.enabled
     assert c.insert(list(range(32)), *kv(32)) == 0
     assert c.lookup(list(range(40))) == (0, None, None)
     assert c.stats()["lookups"] == 1 and c.stats()["hits"] == 0
-    t = PrefixCache(BLK_BYTES - 1)  # smaller than one block: never stores anything
+    t = PrefixCache(BLK_BYTES - 1, block=B)  # smaller than one block: never stores anything
     assert t.insert(list(range(32)), *kv(32)) == 0 and len(t) == 0
 
 
 def test_hash_collision_never_returns_foreign_kv(monkeypatch):
     monkeypatch.setattr(prefix_mod, "block_hashes",
-                        lambda ids, block=BLOCK_TOKENS, seed=b"": [b"same"] * (len(ids) // block))
-    c = PrefixCache(1 << 20)
+                        lambda ids, block=B, seed=b"": [b"same"] * (len(ids) // block))
+    c = PrefixCache(1 << 20, block=B)
     c.insert(list(range(16)), *kv(16))
     assert c.lookup(list(range(1, 17)) + [0])[0] == 0  # same key, different tokens -> miss
 
 
 def test_bad_input():
-    c = PrefixCache(1 << 20)
+    c = PrefixCache(1 << 20, block=B)
     with pytest.raises(ValueError):
         c.insert(list(range(32)), *kv(16))  # KV shorter than the tokens
     k, v = kv(32)

@@ -188,7 +188,7 @@ class LocalCluster:
     def restart_decode(self, i: int, timeout: float = 300.0):
         with self._lock:
             old = self.decode.get(i)
-        if old is not None and old.alive():
+        if old is not None:  # also when it died: its Python backend stubs can outlive it, holding its ports
             old.stop()
         p = self._start_decode(i, timeout)
         with self._lock:

@@ -87,8 +87,8 @@ _VARS: List[Var] = [
         choices=("auto", "avx512", "avx2")),
     Var("HETSERVE_NATIVE_CACHE", str, None, "where the native engine is compiled to; unset: ~/.cache/hetserve/native"),
     Var("HETSERVE_PREFILL_ENGINE", str, "prefill_fp32", "engine the prefill (and aggregated) model runs"),
-    Var("HETSERVE_DECODE_ENGINES", str, "decode_fp32,decode_int8_native", "decode engines loaded (comma list; an "
-        "engine this machine cannot run loads its manifest fallback, e.g. decode_int8_native -> decode_int8)"),
+    # an engine this machine cannot run loads its manifest fallback instead (decode_int8_native -> decode_int8)
+    Var("HETSERVE_DECODE_ENGINES", str, "decode_fp32,decode_int8_native", "decode engines loaded (comma list)"),
     Var("HETSERVE_AGGREGATED_DECODE_ENGINE", str, "decode_fp32", "decode engine of the aggregated model"),
     Var("HETSERVE_DECODE_PRECISION", str, None, "default decode precision (fp32|int8); unset: the first engine's"),
     # ---- request limits ---------------------------------------------------------------------------------------
@@ -154,8 +154,6 @@ _VARS: List[Var] = [
     Var("HETSERVE_BREAKER_OVERLOAD_TRIPS", int, 3, "overload refusals in a row that open the breaker", min=1),
     Var("HETSERVE_HEALTH_INTERVAL_S", float, 5.0, f"decode pool health-check interval, {_S}", min=0),
     Var("HETSERVE_HEALTH_TIMEOUT_S", float, 2.0, f"health-check timeout, {_S}", min=0),
-    Var("HETSERVE_CANCEL_CHECK_MS", float, 100.0, "how often a streaming model asks Triton whether its client "
-        "cancelled (ms; a generation outlives its client by at most this)", min=0),
     Var("HETSERVE_DECODE_STEP_TIMEOUT_S", float, 30.0, f"a decode stream silent this long is migrated, {_S}", min=0),
     Var("HETSERVE_MAX_MIGRATIONS", int, 3, "moves of one stream to another decode server", min=0),
     # ---- metrics --------------------------------------------------------------------------------------------

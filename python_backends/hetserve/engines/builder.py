@@ -172,17 +172,18 @@ def _build_qdq(ckpt, fp32: Path, out: Path, log, t0) -> dict:
 def _build_native(ckpt, out: Path, log, t0) -> dict:
     """The native INT8 engine: packed weights (any machine), and the C library compiled now for this CPU so the
     servers' first start does not pay for it (a CPU or compiler that cannot build it only logs why)."""
-    from .native import NativeUnavailable, build_native_int8, library
+    from .native import NativeModel, NativeModelUnsupported, NativeUnavailable, build_native_int8
 
     log(f"  native INT8 engine (engines/native.py)  +{time.time() - t0:.1f}s")
     try:
         info = build_native_int8(ckpt, out)
-    except NativeUnavailable as e:
+        NativeModel(out, info, ckpt.config).close()  # compiles the library, checks the shapes against it
+    except NativeModelUnsupported as e:
         log(f"  native INT8 engine skipped: {e}")
+        for f in ("llm_native_int8.bin", "llm_native_int8.json"):  # build_native_int8's files, if it wrote them
+            (out / f).unlink(missing_ok=True)
         return {}
-    try:
-        library()
-    except NativeUnavailable as e:
+    except NativeUnavailable as e:  # packed for any machine; this one cannot run it (the quality gate skips it)
         log(f"  native engine packed, but it cannot run on this machine: {e}")
     # one file, two roles (as prefill_fp32 / decode_fp32_standard share theirs); a decode server that cannot
     # run it loads `fallback` instead (triton/decode.py)

@@ -65,6 +65,10 @@ class NativeUnavailable(RuntimeError):
     """The native engine cannot run here (CPU, compiler); the message says why."""
 
 
+class NativeModelUnsupported(NativeUnavailable):
+    """This model's shapes are ones the native engine does not handle (on any machine)."""
+
+
 # ---- the library ------------------------------------------------------------------------------------------------
 def cpu_flags() -> set:
     try:
@@ -249,7 +253,7 @@ def build_native_int8(ckpt, out_dir: Path, blocks: Optional[Dict[str, int]] = No
     blocks = dict(NATIVE_BLOCKS, **(blocks or {}))
     why = unsupported_reason(ckpt)
     if why:
-        raise NativeUnavailable(f"checkpoint not supported by the native engine: {why}")
+        raise NativeModelUnsupported(f"checkpoint not supported by the native engine: {why}")
     c, W = ckpt.config, ckpt.weights
     index: Dict[str, list] = {}
     path, tmp = out_dir / f"{name}.bin", out_dir / f"{name}.bin.tmp"
@@ -333,7 +337,8 @@ class NativeModel:
                             sin.ctypes.data, qmat("lm_head", V, C), ctypes.addressof(layers))
         rc = self.lib.hs_model_check(ctypes.byref(self.model))
         if rc:
-            raise NativeUnavailable(f"native engine ({self.isa}) cannot run this model: {CHECK_ERRORS.get(rc, rc)}")
+            raise NativeModelUnsupported(f"native engine ({self.isa}) cannot run this model: "
+                                         f"{CHECK_ERRORS.get(rc, rc)}")
         self._scratch: Optional[ctypes.c_void_p] = ctypes.c_void_p(self.lib.hs_scratch_new())
         self._lock = threading.Lock()
         self.kv_shape = (L, KVH, D)

@@ -131,8 +131,15 @@ def engine_quality(engine_dir: str, names: Sequence[str], kv_dtypes: Sequence[st
     for dt in kv_dtypes:
         res[f"kv:{dt}"] = compare(ref, teacher_forced(ref_eng, ids, kv_roundtrip=wire_roundtrip(dt)), tag).to_dict()
         log(f"  quality kv:{dt}: {_fmt(res[f'kv:{dt}'])}")
+    from .native import NativeUnavailable
+
     for n in names:
-        eng = ref_eng if n == REFERENCE else Engine(engine_dir, n, threads=threads)
+        try:
+            eng = ref_eng if n == REFERENCE else Engine(engine_dir, n, threads=threads)
+        except NativeUnavailable as e:  # packed, but this machine cannot run it: say so, measure the rest
+            res[n] = {"unavailable": str(e)}
+            log(f"  quality {n}: not measured here ({e})")
+            continue
         res[n] = compare(ref, teacher_forced(eng, ids), tag).to_dict()
         log(f"  quality {n}: {_fmt(res[n])}")
     return res

@@ -137,30 +137,6 @@ def sampling_tensors(p: SamplingParams) -> list:
     return schema.sampling_arrays(p)
 
 
-class CancelCheck:
-    """A response sender's is_cancelled(), asked at most every HETSERVE_CANCEL_CHECK_MS (each ask is a round trip
-    to the server process; per token it was a few % of the llm relay's and the decode step's CPU). Once
-    cancelled, always cancelled."""
-
-    def __init__(self, sender):
-        import time
-
-        self._ask = getattr(sender, "is_cancelled", None)
-        self._every = float(config.get("HETSERVE_CANCEL_CHECK_MS")) / 1e3
-        self._clock = time.monotonic
-        self._next = 0.0
-        self._yes = False
-
-    def __call__(self) -> bool:
-        if self._yes or self._ask is None:
-            return self._yes
-        now = self._clock()
-        if now >= self._next:
-            self._next = now + self._every
-            self._yes = bool(self._ask())
-        return self._yes
-
-
 def str_tensor(name: str, values) -> "pb_utils.Tensor":
     return pb_utils.Tensor(name, np.array([v.encode() if isinstance(v, str) else v for v in values],
                                           dtype=np.object_))

@@ -18,16 +18,7 @@ from ..scheduler import DecodeScheduler
 
 # PendingKV re-exported for existing callers (tests/test_hardening.py)
 from ..stages.decode import RECOMPUTE_REASONS, DecodeConfig, DecodeStage, PendingKV
-from .common import (
-    CancelCheck,
-    engine_dir,
-    error_of,
-    ingest_token_ok,
-    json_bytes,
-    start_admin_channel,
-    str_tensor,
-    tensors_of,
-)
+from .common import engine_dir, error_of, ingest_token_ok, json_bytes, start_admin_channel, str_tensor, tensors_of
 from .metrics import REGISTRY, Poller, gauges
 
 log = logging.getLogger("hetserve.decode")
@@ -39,7 +30,6 @@ class SenderReply:
 
     def __init__(self, sender):
         self.sender = sender
-        self._cancel = CancelCheck(sender)
 
     def tokens(self, token_ids, finish_reason=None, final=False):
         tensors = [pb_utils.Tensor("token_ids", np.asarray(token_ids, np.int32))]
@@ -57,7 +47,7 @@ class SenderReply:
             log.debug("could not send the error response", exc_info=True)
 
     def cancelled(self):
-        return self._cancel()
+        return bool(getattr(self.sender, "is_cancelled", lambda: False)())
 
 
 class TritonPythonModel:

@@ -28,7 +28,6 @@ from ..stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, Orchestr
 from ..stages.types import GenerateRequest, PrefillJob, PrefillResult
 from .common import (
     PREFILL_HOP,
-    CancelCheck,
     RequestError,
     classify,
     engine_dir,
@@ -79,9 +78,7 @@ class Sink(TextStreamer):
     """TokenSink over the request's response sender (stream=true: one response per step)."""
 
     def cancelled(self) -> bool:
-        if not hasattr(self, "_cancel"):
-            self._cancel = CancelCheck(self.sender)
-        return self._cancel()
+        return bool(getattr(self.sender, "is_cancelled", lambda: False)())
 
 
 class WholeAnswer(Sink):

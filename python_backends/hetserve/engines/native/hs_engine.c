@@ -300,6 +300,7 @@ static inline vf reduce_vw(vf* p) {
 #else
 #define HS_CVTPH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
 #endif
+HS_ATTEND(1)
 HS_ATTEND(2)
 HS_ATTEND(4)
 HS_ATTEND(8)
@@ -310,6 +311,7 @@ HS_ATTEND(32)
 
 static attend_fn pick_attend(int D) {
     switch (D / VW) {
+        case 1: return attend_1;
         case 2: return attend_2;
         case 4: return attend_4;
         case 8: return attend_8;
