@@ -175,3 +175,37 @@ def wait_for(fn, timeout_s: float, what: str, interval: float = 0.25):
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
+
+
+def run_scheduler(pre, dec, prompt_ids, n, pool=None, stagger=0.0, timeout_s=180.0):
+    """Greedy-decode `prompt_ids` ((name, ids) pairs; prefill on `pre`, decode on `dec`) for n tokens through a
+    real DecodeScheduler (optionally over `pool`, joins `stagger` s apart); returns ({name: tokens}, stats)
+    after checking every row and KV block was freed."""
+    import threading
+
+    from hetserve.sampling import SamplingParams
+    from hetserve.scheduler import DecodeScheduler, Sequence
+
+    prec = dec.precision
+    sched = DecodeScheduler({prec: dec}, max_batch=8, pool=pool)
+    try:
+        out, done = {}, {}
+        for i, (p, ids) in enumerate(prompt_ids):
+            lo, k, v = pre.prefill(ids)
+            out[p] = [int(lo.argmax())]
+            done[p] = threading.Event()
+
+            def cb(toks, reason, p=p):
+                out[p].extend(toks)
+                if reason:
+                    done[p].set()
+            sched.submit(Sequence(p, len(ids), list(out[p]), SamplingParams(max_tokens=n, ignore_eos=True), prec,
+                                  cb, k=k, v=v, prompt_ids=list(ids)))
+            time.sleep(stagger * i)
+        for e in done.values():
+            assert e.wait(timeout_s)
+        time.sleep(0.05)
+        assert sched.batches[prec].n == 0 and sched.kv_pool.stats()["used_blocks"] == 0
+        return out, dict(sched.stats)
+    finally:
+        sched.close()

@@ -2,13 +2,11 @@
 
 Real engines built by the builder (no fakes). Fast: batch 1-4, a few steps each.
 """
-import threading
-import time
 
 import numpy as np
 import pytest
 
-from hetserve.sampling import SamplingParams
+from conftest import run_scheduler
 
 
 @pytest.fixture(scope="module")
@@ -171,38 +169,11 @@ def test_pool_attach_detach_accounts_without_holding_kv():
         pool.close()
 
 
-def _run_sched(pre, dec, prompt_ids, n, pool=None, stagger=0.0):
-    from hetserve.scheduler import DecodeScheduler, Sequence
-
-    sched = DecodeScheduler({"fp32": dec}, max_batch=8, pool=pool)
-    try:
-        out, done = {}, {}
-        for i, (p, ids) in enumerate(prompt_ids):
-            lo, k, v = pre.prefill(ids)
-            out[p] = [int(lo.argmax())]
-            done[p] = threading.Event()
-
-            def cb(toks, reason, p=p):
-                out[p].extend(toks)
-                if reason:
-                    done[p].set()
-            sched.submit(Sequence(p, len(ids), list(out[p]), SamplingParams(max_tokens=n, ignore_eos=True), "fp32",
-                                  cb, k=k, v=v, prompt_ids=list(ids)))
-            time.sleep(stagger * i)
-        for e in done.values():
-            assert e.wait(180)
-        time.sleep(0.05)
-        assert sched.batches["fp32"].n == 0 and sched.kv_pool.stats()["used_blocks"] == 0
-        return out, dict(sched.stats)
-    finally:
-        sched.close()
-
-
 def test_scheduler_on_fused_engine_equals_transformers(eng, prompt_ids, reference_tokens):
     """Greedy FP32 decode through the scheduler on the fused graph (joins mid-flight, ragged, rows retiring)
     equals the transformers reference token for token."""
     items = list(prompt_ids.items())[:4]
-    out, st = _run_sched(eng["prefill_fp32"], eng["decode_fp32"], items, 32, stagger=0.05)
+    out, st = run_scheduler(eng["prefill_fp32"], eng["decode_fp32"], items, 32, stagger=0.05)
     assert st["admitted"] == 4
     for p, _ in items:
         assert out[p] == reference_tokens[p], p
@@ -214,10 +185,10 @@ def test_scheduler_preempt_resume_on_fused_engine_keeps_tokens(eng, prompt_ids):
     from hetserve.kv.blocks import BlockPool
 
     items = list(prompt_ids.items())[:3]
-    ref, _ = _run_sched(eng["prefill_fp32"], eng["decode_fp32_standard"], items, 24)
+    ref, _ = run_scheduler(eng["prefill_fp32"], eng["decode_fp32_standard"], items, 24)
     bt = 8
     bb = 2 * 30 * 3 * bt * 64 * 4
     pool = BlockPool.create(30, 3, 64, block_tokens=bt, device_bytes=14 * bb, host_bytes=64 * bb, device="cpu")
-    out, st = _run_sched(eng["prefill_fp32"], eng["decode_fp32"], items, 24, pool=pool)
+    out, st = run_scheduler(eng["prefill_fp32"], eng["decode_fp32"], items, 24, pool=pool)
     assert st["preempted"] >= 1 and st["resumed"] >= 1 and st["kv_recomputed"] == 0
     assert out == ref

@@ -17,15 +17,14 @@ Real engines built by the builder (no fakes); about 15 s.
 import json
 import logging
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import run_scheduler
 from hetserve.engines import native
-from hetserve.sampling import SamplingParams
 
 # every ISA build this CPU can run (x86 CI always has avx2; this list is fixed at collection)
 ISAS = [isa for isa in ("avx512", "avx2") if native.ISA_CPU_FLAGS[isa] <= native.cpu_flags()]
@@ -488,43 +487,17 @@ def test_prefill_batcher_ragged_equals_engine_prefill(pre_eng, prompt_ids):
 
 
 # ---- 9. the decode scheduler under KV pressure ---------------------------------------------------------------
-def _run_sched(eng, items, n, pool=None):
-    from hetserve.scheduler import DecodeScheduler, Sequence
-
-    sched = DecodeScheduler({"int8": eng}, max_batch=8, pool=pool)
-    try:
-        out, done = {}, {}
-        for p, ids in items:
-            lo, k, v = eng.prefill(ids)
-            out[p] = [int(lo.argmax())]
-            done[p] = threading.Event()
-
-            def cb(toks, reason, p=p):
-                out[p].extend(toks)
-                if reason:
-                    done[p].set()
-            sched.submit(Sequence(p, len(ids), list(out[p]), SamplingParams(max_tokens=n, ignore_eos=True), "int8",
-                                  cb, k=k, v=v, prompt_ids=list(ids)))
-        for e in done.values():
-            assert e.wait(60)
-        time.sleep(0.05)
-        assert sched.batches["int8"].n == 0 and sched.kv_pool.stats()["used_blocks"] == 0
-        return out, dict(sched.stats)
-    finally:
-        sched.close()
-
-
 def test_scheduler_preempt_resume_on_native_engine_keeps_tokens(eng, prompt_ids):
     from hetserve.kv.blocks import BlockPool
 
     c = eng.config
     items = list(prompt_ids.items())[:3]
-    ref, st0 = _run_sched(eng, items, 16)
+    ref, st0 = run_scheduler(eng, eng, items, 16, timeout_s=60)
     assert st0["preempted"] == 0 and all(len(t) == 16 for t in ref.values())
     bt = 8
     bb = 2 * c.num_layers * c.num_kv_heads * bt * c.head_dim * 4
     pool = BlockPool.create(c.num_layers, c.num_kv_heads, c.head_dim, block_tokens=bt, device_bytes=12 * bb,
                             host_bytes=64 * bb, device="cpu")
-    out, st = _run_sched(eng, items, 16, pool=pool)
+    out, st = run_scheduler(eng, eng, items, 16, pool=pool, timeout_s=60)
     assert st["preempted"] >= 1 and st["resumed"] >= 1 and st["kv_recomputed"] == 0, st
     assert out == ref

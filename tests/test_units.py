@@ -4,6 +4,7 @@ import threading
 import numpy as np
 import pytest
 
+from conftest import run_scheduler
 from hetserve.kv import wire
 from hetserve.kv.transport.shm import RangeAllocator
 from hetserve.sampling import SamplingError, SamplingParams, sample
@@ -138,10 +139,7 @@ def test_incremental_detokenizer_utf8(tokenizer):
 
 def test_batched_decode_equals_unbatched(engine_dir, prompt_ids):
     """Continuous batching: sequences joining at different steps give the same greedy tokens as one-by-one."""
-    import time
-
     from hetserve.engines.runtime import Engine
-    from hetserve.scheduler import DecodeScheduler, Sequence
 
     pre = Engine(engine_dir, "prefill_fp32", threads=2)
     dec = Engine(engine_dir, "decode_fp32", threads=2)
@@ -157,29 +155,10 @@ def test_batched_decode_equals_unbatched(engine_dir, prompt_ids):
             out.append(int(lo.argmax()))
         return out
 
-    sched = DecodeScheduler({"fp32": dec}, max_batch=8)
-    try:
-        results, done = {}, {}
-        for i, (p, ids) in enumerate(prompts):
-            lo, k, v = pre.prefill(ids)
-            results[p] = [int(lo.argmax())]
-            done[p] = threading.Event()
-
-            def cb(toks, reason, p=p):
-                results[p].extend(toks)
-                if reason:
-                    done[p].set()
-            sched.submit(Sequence(p, len(ids), list(results[p]), SamplingParams(max_tokens=n, ignore_eos=True),
-                                  "fp32", cb, k=k, v=v))
-            time.sleep(0.05 * i)  # join mid-flight
-        for e in done.values():
-            assert e.wait(120)
-        assert sched.stats["admitted"] == len(prompts)
-        for p, ids in prompts:
-            assert results[p] == unbatched(ids), p
-        assert sched.batches["fp32"].n == 0  # all rows freed
-    finally:
-        sched.close()
+    results, st = run_scheduler(pre, dec, prompts, n, stagger=0.05, timeout_s=120)  # joins mid-flight
+    assert st["admitted"] == len(prompts)
+    for p, ids in prompts:
+        assert results[p] == unbatched(ids), p
 
 
 def _teacher_forced_agreement(engine_dir, name, prompt_ids, reference_tokens):
