@@ -306,3 +306,45 @@ def test_send_states_and_typed_refusal(nixl_receiver):
         assert t.poll() is SendState.FAILED
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("concurrent_ok", [False, True])
+def test_kv_sender_runs_a_non_concurrent_transport_one_send_at_a_time(monkeypatch, concurrent_ok):
+    """Unit test with a fake transport (no server): a sender without concurrent_sends never sees two sends at
+    once however many threads call KVSender.send; one with it does (the prefill server's send threads)."""
+    import concurrent.futures
+    import threading
+    import time
+
+    from hetserve.kv.transport import KVSender
+    from hetserve.kv.transport.base import TransportSender
+
+    live = {"now": 0, "max": 0}
+    lock = threading.Lock()
+
+    class Done:
+        def wait(self, timeout_s):
+            return {"transport": "grpc", "bytes": 0, "seconds": 0.0}
+
+    class Fake(TransportSender):
+        name = "grpc"
+        concurrent_sends = concurrent_ok
+
+        def start(self, url, request_id, hdr, payload, timeout_s):
+            with lock:
+                live["now"] += 1
+                live["max"] = max(live["max"], live["now"])
+            time.sleep(0.02)
+            with lock:
+                live["now"] -= 1
+            return Done()
+
+        def close(self):
+            pass
+
+    s = KVSender()
+    fake = Fake()
+    monkeypatch.setattr(s, "transport", lambda name: fake)
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda i: s.send("u", "grpc", f"r{i}", None, None), range(8)))
+    assert live["max"] == (4 if concurrent_ok else 1), live

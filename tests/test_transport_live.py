@@ -170,6 +170,44 @@ def test_shm_registration_lost_is_typed_and_recovered(servers, engine_dir):
         s.close()
 
 
+def test_shm_lost_registration_under_concurrent_sends(servers, engine_dir):
+    """The prefill server sends KV from several threads (HETSERVE_PREFILL_SEND_THREADS). The decode server
+    forgets our region while 8 sends from 4 threads are under way: every send still lands (retried once on a new
+    region), nothing writes into an unmapped region (that crashed the prefill stub before regions were counted
+    per send), and the lost region is unmapped once its last send settled."""
+    import concurrent.futures
+    import threading
+
+    from hetserve.kv.transport import KVSender
+    from hetserve.server import admin_headers
+
+    _, decode = servers
+    s = KVSender()
+    try:
+        hdr, payload = _probe_kv(engine_dir, tokens=64)
+        url = decode.grpc_url
+        assert s.send(url, "shm", "hetserve-probe/shm-c0", hdr, payload)["transport"] == "shm"
+        shm = s.transport("shm")
+        old = shm._regions[url]
+        go = threading.Barrier(4)
+
+        def one(i):
+            if i < 4:
+                go.wait()
+            return s.send(url, "shm", f"hetserve-probe/shm-c{i + 1}", hdr, payload)
+
+        s.client(url).unregister_system_shared_memory(old.name, headers=admin_headers())
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            infos = list(ex.map(one, range(8)))
+        assert all(i["transport"] == "shm" for i in infos)
+        new = shm._regions[url]
+        assert new is not old and not new.lost and new.users == 0
+        assert old.retired and old.users == 0  # unmapped by its last user, not under a send
+        assert new.alloc.free_bytes() == shm.region_bytes
+    finally:
+        s.close()
+
+
 def test_nixl_refusal_is_typed_and_counted_on_decode(servers, engine_dir):
     from hetserve.kv.transport import KVSender, PeerRefused
 

@@ -102,6 +102,7 @@ _VARS: List[Var] = [
     Var("HETSERVE_PREFILL_TOKEN_BUDGET", int, 256, "new tokens per prefill forward (padded: rows x width; ragged "
         "engines: their sum)", min=1),
     Var("HETSERVE_PREFILL_CHUNK_TOKENS", int, 128, "most new tokens of one prompt per forward (<= budget)", min=1),
+    # transports whose sender is not marked concurrent_sends still send one at a time (kv/transport/sender.py)
     Var("HETSERVE_PREFILL_SEND_THREADS", int, 4, "threads that send finished prompts' KV to decode (0: the "
         "batcher thread, between forwards)", min=0, max=64),
     Var("HETSERVE_PREFILL_MAX_BATCH", int, 16, "prompts per prefill forward", min=1),

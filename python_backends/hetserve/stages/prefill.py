@@ -93,7 +93,8 @@ class PrefillStage:
     """send_threads: threads that encode + send each finished prompt's KV and answer it. 0: the batcher thread
     does it inline (tests that drive step() themselves). Off the batcher thread, the next forward starts at once:
     inline, 11 prompts finishing together held the engine ~10 ms each (wire encode + the round trip to decode's
-    kv_ingest, which waits for a core busy with decode steps) before the next forward could start."""
+    kv_ingest, which waits for a core busy with decode steps) before the next forward could start. Sends run
+    concurrently only over transports that allow it (TransportSender.concurrent_sends)."""
 
     def __init__(self, engine, sender: Sender, defaults: PrefillDefaults, batch: BatchConfig,
                  metrics: TransferMetrics, prefix=None, on_forward: Optional[Callable[[Any, float], None]] = None,

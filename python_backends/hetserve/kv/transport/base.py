@@ -107,6 +107,9 @@ class Transfer(ABC):
 
 class TransportSender(ABC):
     name: str = ""
+    # True: start() and forget() may run from several threads at once (the prefill server's send threads);
+    # False: KVSender runs this transport's sends one at a time
+    concurrent_sends: bool = False
 
     @abstractmethod
     def start(self, url: str, request_id: str, hdr: KVHeader, payload: np.ndarray, timeout_s: float) -> Transfer:

@@ -8,6 +8,7 @@ from .control import ClientCache, ControlTransfer, ingest_inputs
 
 class GrpcSender(TransportSender):
     name = "grpc"
+    concurrent_sends = True  # stateless: the payload travels in the call
 
     def __init__(self, clients: ClientCache):
         self.clients = clients

@@ -80,6 +80,7 @@ def _make_agent(role: str):
 
 class NixlSender(TransportSender):
     name = "nixl"
+    concurrent_sends = True  # one staging buffer under a range allocator; no per-peer state to drop
 
     def __init__(self, clients: ClientCache, region_bytes: Optional[int] = None):
         self.clients = clients

@@ -30,6 +30,7 @@ class KVSender:
         self.on_fallback = on_fallback
         self._senders: Dict[str, TransportSender] = {}
         self._lock = threading.Lock()
+        self._serial: Dict[str, threading.Lock] = {}  # transports without concurrent_sends: one send at a time
 
     def transport(self, name: str) -> TransportSender:
         s = spec(name)  # ValueError for an unknown name
@@ -56,6 +57,15 @@ class KVSender:
             sender = self.transport(transport)
         except ValueError as e:
             raise TransferError(str(e)) from None
+        if not sender.concurrent_sends:
+            with self._lock:
+                serial = self._serial.setdefault(transport, threading.Lock())
+            with serial:
+                return self._send(sender, url, transport, request_id, hdr, payload, timeout_s)
+        return self._send(sender, url, transport, request_id, hdr, payload, timeout_s)
+
+    def _send(self, sender: TransportSender, url: str, transport: str, request_id: str, hdr: KVHeader,
+              payload: np.ndarray, timeout_s: float) -> dict:
         try:
             try:
                 return sender.start(url, request_id, hdr, payload, timeout_s).wait(timeout_s)

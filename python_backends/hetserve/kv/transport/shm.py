@@ -96,12 +96,19 @@ class RangeAllocator:
 
 
 class _Region:
+    """Our region registered with one decode server. users: sends between start() and settle; a region the peer
+    lost (lost) is retired by forget() and unmapped by whoever leaves it last, never under a concurrent send."""
+
     def __init__(self, name: str, handle, size: int):
         self.name, self.handle, self.alloc = name, handle, RangeAllocator(size)
+        self.users = 0
+        self.lost = False
+        self.retired = False
 
 
 class ShmSender(TransportSender):
     name = "shm"
+    concurrent_sends = True  # regions counted per send: one the peer lost is unmapped after its last send
 
     def __init__(self, clients: ClientCache, region_bytes: Optional[int] = None):
         self.clients = clients
@@ -109,22 +116,30 @@ class ShmSender(TransportSender):
         self._regions: Dict[str, _Region] = {}  # decode url -> our region registered there
         self._lock = threading.Lock()
 
-    def _region(self, url: str) -> _Region:
+    def _acquire(self, url: str) -> _Region:
+        """The region registered with `url` (registered now if none), counted as used until _release."""
         import tritonclient.utils.shared_memory as shm
 
         with self._lock:
             r = self._regions.get(url)
-            if r is not None:
-                return r
-            name, key, handle = create_private_region(self.region_bytes)
-            try:
-                self.clients.get(url).register_system_shared_memory(name, key, self.region_bytes,
-                                                                    headers=_admin_headers())
-            except Exception as e:
-                shm.destroy_shared_memory_region(handle)
-                raise TransferError(f"could not register a shm region with {url}: {e}") from e
-            r = self._regions[url] = _Region(name, handle, self.region_bytes)
+            if r is None:
+                name, key, handle = create_private_region(self.region_bytes)
+                try:
+                    self.clients.get(url).register_system_shared_memory(name, key, self.region_bytes,
+                                                                        headers=_admin_headers())
+                except Exception as e:
+                    shm.destroy_shared_memory_region(handle)
+                    raise TransferError(f"could not register a shm region with {url}: {e}") from e
+                r = self._regions[url] = _Region(name, handle, self.region_bytes)
+            r.users += 1
             return r
+
+    def _release(self, r: _Region) -> None:
+        with self._lock:
+            r.users -= 1
+            last = r.retired and r.users == 0
+        if last:
+            _destroy(r)
 
     def _still_registered(self, url: str, region: _Region) -> bool:
         """Asked of the peer after a failed call (no error-message matching): does it still know our region?"""
@@ -138,37 +153,53 @@ class ShmSender(TransportSender):
     def start(self, url, request_id, hdr, payload, timeout_s):
         import tritonclient.utils.shared_memory as shm
 
-        region = self._region(url)
+        region = self._acquire(url)
         n = payload.nbytes
-        off = region.alloc.reserve(n, "shm region", "HETSERVE_SHM_BYTES")
+        try:
+            off = region.alloc.reserve(n, "shm region", "HETSERVE_SHM_BYTES")
+        except Exception:
+            self._release(region)
+            raise
         try:
             shm.set_shared_memory_region(region.handle, [payload], offset=off)
             ins, p = ingest_inputs(request_id, hdr, n)
             p.set_shared_memory(region.name, n, offset=off)
         except Exception:
             region.alloc.release(off, n)
+            self._release(region)
             raise
 
         def classify(err: TransferError) -> TransferError:
             # Triton answers an unknown region like a bad input: ask it whether it still has ours
             if not self._still_registered(url, region):
+                region.lost = True
                 return PeerLostRegistration(f"{url} no longer has our shm region {region.name} registered "
                                             f"(restarted?): {err}")
             return err
 
-        return ControlTransfer(self.clients.get(url), url, self.name, ins, n, timeout_s,
-                               on_settle=lambda ok: region.alloc.release(off, n), classify=classify)
+        def settle(ok: bool) -> None:
+            region.alloc.release(off, n)
+            self._release(region)
+
+        try:
+            return ControlTransfer(self.clients.get(url), url, self.name, ins, n, timeout_s, on_settle=settle,
+                                   classify=classify)
+        except Exception:
+            settle(False)
+            raise
 
     def forget(self, url: str) -> None:
-        import tritonclient.utils.shared_memory as shm
-
+        """Drop our region at `url` if the peer lost it (a send that found so calls this; with several sends in
+        flight, a region registered again meanwhile is kept). It is unmapped once no send uses it."""
         with self._lock:
-            r = self._regions.pop(url, None)
-        if r is not None:
-            try:
-                shm.destroy_shared_memory_region(r.handle)
-            except Exception as e:  # already gone: nothing to free
-                log.debug("destroying shm region %s: %s", r.name, e)
+            r = self._regions.get(url)
+            if r is None or not r.lost:
+                return
+            del self._regions[url]
+            r.retired = True
+            last = r.users == 0
+        if last:
+            _destroy(r)
 
     def close(self) -> None:
         import tritonclient.utils.shared_memory as shm
@@ -184,6 +215,15 @@ class ShmSender(TransportSender):
                 shm.destroy_shared_memory_region(r.handle)
             except Exception as e:
                 log.debug("destroying shm region %s: %s", r.name, e)
+
+
+def _destroy(r: _Region) -> None:
+    import tritonclient.utils.shared_memory as shm
+
+    try:
+        shm.destroy_shared_memory_region(r.handle)
+    except Exception as e:  # already gone: nothing to free
+        log.debug("destroying shm region %s: %s", r.name, e)
 
 
 class ShmReceiver(InBandReceiver):
