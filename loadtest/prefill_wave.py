@@ -12,8 +12,6 @@ wave uses prompts not sent before (bench_vs_llamacpp's 512), so the prefix cache
 from __future__ import annotations
 
 import argparse
-import glob
-import os
 import sys
 import threading
 import time
@@ -24,25 +22,19 @@ sys.path.insert(0, str(REPO / "python_backends"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def server_cpu() -> dict:
-    """{process label: CPU seconds} of the tritonservers and Python backend stubs running now."""
+def server_cpu(topo) -> dict:
+    """{process label: CPU seconds} of the topology's tritonservers and their Python backend stubs."""
+    from hetserve.server import cpu_seconds_by_pid
+
     out = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for path in glob.glob("/proc/[0-9]*/cmdline"):
-        pid = path.split("/")[2]
-        try:
-            cmd = open(path, "rb").read().replace(b"\0", b" ").decode(errors="replace").split()
-            st = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if not cmd:
-            continue
-        cpu = (int(st[11]) + int(st[12])) / tick
-        if "triton_python_backend_stub" in cmd[0]:
-            model = next((Path(c).parts[-3] for c in cmd if c.endswith("/model.py")), cmd[1])
-            out[f"{model}:{pid}"] = cpu
-        elif os.path.basename(cmd[0]) == "tritonserver":
-            out[f"tritonserver:{pid}"] = cpu
+    for server in topo.processes():
+        for pid, sec in cpu_seconds_by_pid(server.proc.pid).items():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:  # gone meanwhile
+                continue
+            model = next((Path(c).parts[-3] for c in cmd if c.endswith("/model.py")), None)
+            out[f"{model or server.spec.role + ' tritonserver'}:{pid}"] = sec
     return out
 
 
@@ -85,7 +77,7 @@ def main(argv=None) -> None:
         for w in range(a.waves):
             max_tokens = 1 if w % 2 == 0 else 64
             first, out = w * a.n, {}
-            c0 = server_cpu()
+            c0 = server_cpu(topo)
             th = [threading.Thread(target=one, args=(topo.prefill_grpc, first + i, out, max_tokens))
                   for i in range(a.n)]
             t = time.perf_counter()
@@ -94,7 +86,7 @@ def main(argv=None) -> None:
             for x in th:
                 x.join()
             wall = time.perf_counter() - t
-            c1 = server_cpu()
+            c1 = server_cpu(topo)
             ttft = " ".join(f"{v * 1e3:.0f}" for v in sorted(out.values()))
             print(f"wave {w} ({a.n} prompts, max_tokens {max_tokens}): TTFT ms {ttft} | wall {wall:.2f} s", flush=True)
             print("    CPU s: " + ", ".join(f"{k.split(':')[0]} {c1[k] - c0[k]:.2f}" for k in sorted(c1)

@@ -471,11 +471,16 @@ def proc_stats():
         yield pid, f[0], int(f[1]), int(f[2]), int(f[3])
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of process group `pgid` (a server started
-    by TritonProcess: tritonserver and its Python backend stubs)."""
+def cpu_seconds_by_pid(pgid: int) -> Dict[int, float]:
+    """{pid: CPU seconds (user + system) used so far} of the live processes of process group `pgid` (a server
+    started by TritonProcess: tritonserver and its Python backend stubs)."""
     tick = os.sysconf("SC_CLK_TCK")
-    return sum((int(f[11]) + int(f[12])) / tick for _, f in _proc_stat_fields() if int(f[2]) == pgid)
+    return {pid: (int(f[11]) + int(f[12])) / tick for pid, f in _proc_stat_fields() if int(f[2]) == pgid}
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds used so far by the whole process group `pgid` (cpu_seconds_by_pid, summed)."""
+    return sum(cpu_seconds_by_pid(pgid).values())
 
 
 def _only_zombies(pgid: int) -> bool:

@@ -177,10 +177,14 @@ def _build_native(ckpt, out: Path, log, t0) -> dict:
     log(f"  native INT8 engine (engines/native.py)  +{time.time() - t0:.1f}s")
     try:
         info = build_native_int8(ckpt, out)
+    except NativeModelUnsupported as e:  # refused before writing anything
+        log(f"  native INT8 engine skipped: {e}")
+        return {}
+    try:
         NativeModel(out, info, ckpt.config).close()  # compiles the library, checks the shapes against it
     except NativeModelUnsupported as e:
         log(f"  native INT8 engine skipped: {e}")
-        for f in ("llm_native_int8.bin", "llm_native_int8.json"):  # build_native_int8's files, if it wrote them
+        for f in (info["file"], info["index"]):
             (out / f).unlink(missing_ok=True)
         return {}
     except NativeUnavailable as e:  # packed for any machine; this one cannot run it (the quality gate skips it)

@@ -8,7 +8,7 @@ caller's per-sequence KV buffer (the decode batch rows, a prefill job's buffer):
 Numerics (the `int8` precision of this engine): weights symmetric int8 per block of 16 or 32 inputs with an fp16
 scale (per matrix: NATIVE_BLOCKS), activations quantized per row and block at run time, int32 dot products
 (llama.cpp's Q8_0 x Q8_0 scheme; block 16 where the quality gate showed it matters). Norms, RoPE, softmax and
-attention in fp32; embeddings fp32; KV fp32 (the wire layout).
+attention in fp32; embeddings fp32; KV in the wire layout, fp32 in prefill jobs and fp16 in the decode batch.
 
 Build: the C source is compiled on first use for this CPU (AVX-512 VNNI, else AVX2 + FMA + F16C) with the system's
 C compiler into HETSERVE_NATIVE_CACHE (a file lock makes concurrent servers wait for one compile); `hetserve build`
@@ -191,8 +191,8 @@ def library(isa: Optional[str] = None) -> ctypes.CDLL:
 
 
 # ---- packing (hetserve build) ---------------------------------------------------------------------------------
-def quantize_matrix(w: np.ndarray, bs: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """W [N, K] fp32 -> (packed q uint8 [N/16, K/4, 16, 4], packed fp16 scales [N/16, K/bs, 16], dequantized W).
+def quantize_matrix(w: np.ndarray, bs: int) -> Tuple[np.ndarray, np.ndarray]:
+    """W [N, K] fp32 -> (packed q uint8 [N/16, K/4, 16, 4], packed fp16 scales [N/16, K/bs, 16]).
     Symmetric: scale = fp16(absmax / 127) per (row, block), q = round(w / scale) in [-127, 127], stored + 128."""
     N, K = w.shape
     if N % 16 or K % bs:
@@ -203,11 +203,10 @@ def quantize_matrix(w: np.ndarray, bs: int) -> Tuple[np.ndarray, np.ndarray, np.
     safe = np.where(d > 0, d, 1.0)[..., None]
     q = np.clip(np.rint(b / safe), -127, 127).astype(np.int16)
     q[d == 0] = 0
-    deq = (q * d[..., None]).reshape(N, K).astype(np.float32)
     qu = (q.reshape(N, K) + 128).astype(np.uint8)
     qp = np.ascontiguousarray(qu.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3))
     sp = np.ascontiguousarray(d16.view(np.uint16).reshape(N // 16, 16, K // bs).transpose(0, 2, 1))
-    return qp, sp, deq
+    return qp, sp
 
 
 def _fused(W: dict, names: Sequence[str]) -> np.ndarray:
@@ -229,21 +228,22 @@ def native_matrices(ckpt) -> List[Tuple[str, str, np.ndarray]]:
     return out
 
 
-def unsupported_reason(ckpt) -> Optional[str]:
-    """Why this checkpoint cannot be a native engine (None: it can)."""
-    c = ckpt.config
+def matrix_shapes(c) -> Dict[str, Tuple[int, int]]:
+    """(N outputs, K inputs) of each NATIVE_BLOCKS kind of GEMM for config c (hs_engine.c's Layer / Model)."""
+    return {"qkv": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+            "o": (c.hidden_size, c.num_heads * c.head_dim), "gate_up": (2 * c.intermediate_size, c.hidden_size),
+            "down": (c.hidden_size, c.intermediate_size), "lm_head": (c.vocab_size, c.hidden_size)}
+
+
+def unsupported_reason(ckpt, blocks: Dict[str, int]) -> Optional[str]:
+    """Why this checkpoint cannot be packed (None: it can). What the C build itself cannot run (head_dim, head
+    groups) hs_model_check says when the packed model is loaded (the builder loads it at once)."""
     extra = sorted(n for n in ckpt.weights if n.endswith(".bias"))
     if extra:
         return f"biases ({extra[0]}, ...) are not in the native engine's model"
-    if c.head_dim % 16 or c.head_dim > 256:
-        return f"head_dim {c.head_dim} (needs a multiple of 16, <= 256)"
-    for n, v in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size)):
-        if v % 32:
-            return f"{n} {v} is not a multiple of 32"
-    if c.vocab_size % 16:
-        return f"vocab_size {c.vocab_size} is not a multiple of 16"
-    if c.num_heads % c.num_kv_heads:
-        return f"num_heads {c.num_heads} not a multiple of num_kv_heads {c.num_kv_heads}"
+    for kind, (N, K) in matrix_shapes(ckpt.config).items():
+        if N % 16 or K % blocks[kind]:
+            return f"{kind} matrix {N}x{K}: outputs must be a multiple of 16 and inputs of the block {blocks[kind]}"
     return None
 
 
@@ -251,7 +251,7 @@ def build_native_int8(ckpt, out_dir: Path, blocks: Optional[Dict[str, int]] = No
                       name: str = "llm_native_int8") -> dict:
     """Write the packed INT8 weights (+ index) for `ckpt`; returns the manifest entry's fields."""
     blocks = dict(NATIVE_BLOCKS, **(blocks or {}))
-    why = unsupported_reason(ckpt)
+    why = unsupported_reason(ckpt, blocks)
     if why:
         raise NativeModelUnsupported(f"checkpoint not supported by the native engine: {why}")
     c, W = ckpt.config, ckpt.weights
@@ -276,7 +276,7 @@ def build_native_int8(ckpt, out_dir: Path, blocks: Optional[Dict[str, int]] = No
             put(f"layer{li}.in_norm", np.asarray(W[p + "input_layernorm.weight"], np.float32))
             put(f"layer{li}.post_norm", np.asarray(W[p + "post_attention_layernorm.weight"], np.float32))
         for key, kind, w in native_matrices(ckpt):
-            qp, sp, _ = quantize_matrix(w, blocks[kind])
+            qp, sp = quantize_matrix(w, blocks[kind])
             put(key + ".q", qp)
             put(key + ".s", sp)
             index[key + ".bs"] = [blocks[kind]]
@@ -322,19 +322,18 @@ class NativeModel:
         c = cfg
         self.cfg = c
         L, C, H, KVH, D = c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        I, V = c.intermediate_size, c.vocab_size  # noqa: E741
-        self._keep = []
+        shapes = matrix_shapes(c)
         cos, sin = rope_caches(c.rope_theta, D, c.max_position)
-        self._keep += [cos, sin]
+        self._keep = [cos, sin]  # the C struct points into them
         layers = (LayerC * L)()
         for li in range(L):
             layers[li] = LayerC(arr(f"layer{li}.in_norm").ctypes.data, arr(f"layer{li}.post_norm").ctypes.data,
-                                qmat(f"layer{li}.qkv", (H + 2 * KVH) * D, C), qmat(f"layer{li}.o", C, H * D),
-                                qmat(f"layer{li}.gate_up", 2 * I, C), qmat(f"layer{li}.down", C, I))
+                                *(qmat(f"layer{li}.{kind}", *shapes[kind]) for kind in ("qkv", "o", "gate_up", "down")))
         self._layers = layers
-        self.model = ModelC(L, C, H, KVH, D, I, V, c.max_position, float(c.rms_norm_eps), 0,
-                            arr("embed").ctypes.data, arr("final_norm").ctypes.data, cos.ctypes.data,
-                            sin.ctypes.data, qmat("lm_head", V, C), ctypes.addressof(layers))
+        self.model = ModelC(L, C, H, KVH, D, c.intermediate_size, c.vocab_size, c.max_position,
+                            float(c.rms_norm_eps), 0, arr("embed").ctypes.data, arr("final_norm").ctypes.data,
+                            cos.ctypes.data, sin.ctypes.data, qmat("lm_head", *shapes["lm_head"]),
+                            ctypes.addressof(layers))
         rc = self.lib.hs_model_check(ctypes.byref(self.model))
         if rc:
             raise NativeModelUnsupported(f"native engine ({self.isa}) cannot run this model: "
@@ -442,8 +441,7 @@ def _check_kv(k: np.ndarray, v: np.ndarray, kv_shape, dtype=np.float32) -> None:
         if (a.dtype != dtype or not a.flags.c_contiguous or not a.flags.writeable or a.ndim != 4
                 or a.shape[0] != L or a.shape[1] != H or a.shape[3] != D):
             raise ValueError(f"KV buffer must be writable C-contiguous {np.dtype(dtype).name} [{L}, {H}, cap, {D}], "
-                             f"got "
-                             f"{a.dtype} {a.shape}")
+                             f"got {a.dtype} {a.shape}")
     if k.shape != v.shape:
         raise ValueError(f"K and V buffers differ: {k.shape} vs {v.shape}")
 

@@ -39,14 +39,14 @@ class EngineError(RuntimeError):
 def load_engine(engine_dir: str, name: str, threads: Optional[int] = None) -> "Engine":
     """Engine(engine_dir, name), or its manifest `fallback` when this machine cannot run it (the native engine on a
     CPU or without a compiler it needs): a warning says which and why, never a silent swap."""
+    from .native import NativeUnavailable
+
     try:
         return Engine(engine_dir, name, threads=threads)
-    except Exception as e:
-        from .native import NativeUnavailable
-
+    except NativeUnavailable as e:
         man = read_manifest(Path(engine_dir)) or {}
         fb = man.get("engines", {}).get(name, {}).get("fallback")
-        if not isinstance(e, NativeUnavailable) or not fb:
+        if not fb:
             raise
         logging.getLogger("hetserve.engines").warning("engine %s cannot run here (%s); loading %s instead",
                                                       name, e, fb)

@@ -55,14 +55,6 @@ typedef struct {
 
 int hs_abi(void) { return HS_ABI; }
 
-int hs_isa(void) {
-#if defined(HS_AVX512)
-    return 512;
-#else
-    return 2;
-#endif
-}
-
 typedef void (*attend_fn)(const float*, int, const void*, const void*, int, int, float, float*, float*, float*,
                           const char*, const char*, size_t);
 static attend_fn pick_attend(int D);
@@ -122,14 +114,19 @@ static void* amalloc(size_t n) {
     return posix_memalign(&p, 64, n ? n : 64) ? NULL : p;
 }
 
+/* the widest GEMM input (K) of the model: sizes the activation scratch */
+static size_t max_k(const Model* m) {
+    size_t k = (size_t)(m->I > m->C ? m->I : m->C);
+    return (size_t)m->H * m->D > k ? (size_t)m->H * m->D : k;
+}
+
 static int scratch_fit(Scratch* s, const Model* m, size_t tokens, size_t ctx) {
     if (tokens <= s->tokens && ctx <= s->ctx) return 0;
     if (tokens < s->tokens) tokens = s->tokens;
     if (ctx < s->ctx) ctx = s->ctx;
     scratch_release(s);
     const size_t T = tokens, qkvw = (size_t)(m->H + 2 * m->KVH) * m->D;
-    size_t kmax = (size_t)(m->I > m->C ? m->I : m->C);
-    if ((size_t)m->H * m->D > kmax) kmax = (size_t)m->H * m->D;
+    const size_t kmax = max_k(m);
     s->h = amalloc(T * m->C * 4);
     s->x = amalloc(T * kmax * 4);
     s->qkv = amalloc(T * qkvw * 4);
@@ -431,9 +428,7 @@ int hs_forward(const Model* m, Scratch* s, int32_t M, const int64_t* ids, const 
 /* y [M, N] = x W^T for a float x [M, K]: the GEMM alone (activation quantization included), for unit tests */
 int hs_qgemm(Scratch* s, const Model* m, const QMat* W, int32_t M, const float* x, float* y) {
     if (M < 0 || W->K > HS_MAX_K || W->N % 16 || (W->bs != 16 && W->bs != 32) || W->K % W->bs) return -6;
-    size_t kmax = (size_t)(m->I > m->C ? m->I : m->C);
-    if ((size_t)m->H * m->D > kmax) kmax = (size_t)m->H * m->D;
-    if ((size_t)W->K > kmax) return -6;
+    if ((size_t)W->K > max_k(m)) return -6;
     if (scratch_fit(s, m, (size_t)M, 1)) return -3;
     hs_quant_rows(x, W->K, M, W->K, W->bs, s->xq, s->xs, s->xc);
     hs_gemm(s->xq, s->xs, s->xc, M, W, y, W->N, 0);
