@@ -340,6 +340,34 @@ def test_scheduler_cancel_frees_blocks(engines, prompt_ids):
     assert pst["used_blocks"] == 0 and set(pst["tier_blocks"].values()) == {0} and pst["sequences"] == 0
 
 
+def test_scheduler_asks_for_cancellation_right_before_sending(engines, prompt_ids):
+    """A client that cancels while the engine runs its row gets no further token (the scheduler asks right before
+    sending, docs/reliability.md "Cancellation"): the sequence ends with a final "cancelled" and frees its blocks."""
+    from hetserve.scheduler import DecodeScheduler, Sequence
+
+    pre, dec = engines
+    ids = next(iter(prompt_ids.values()))
+    lo, k, v = pre.prefill(ids)
+    got, done, cancel = [], threading.Event(), threading.Event()
+    sched = DecodeScheduler({"fp32": dec}, pool=sched_pool(32))
+    engine_step = sched.batches["fp32"].step
+
+    def step_then_cancel(tokens):  # the client cancels while the engine runs the first step
+        out = engine_step(tokens)
+        cancel.set()
+        return out
+
+    sched.batches["fp32"].step = step_then_cancel
+    try:
+        sched.submit(Sequence("s", len(ids), [int(lo.argmax())], SamplingParams(max_tokens=8), "fp32",
+                              lambda t, r: (got.append((list(t), r)), r and done.set()), cancel.is_set, k=k, v=v))
+        assert done.wait(60)
+        assert got == [([], "cancelled")] and sched.stats["cancelled"] == 1
+        assert sched.kv_pool.stats()["used_blocks"] == 0
+    finally:
+        sched.close()
+
+
 def test_scheduler_admission_errors(engines, prompt_ids):
     from hetserve.scheduler import DecodeScheduler, Overloaded, Sequence
 

@@ -251,10 +251,6 @@ class DecodeScheduler:
     def step(self):
         t0 = time.monotonic()
         total = 0
-        for prec, seqs in self.running.items():
-            for s in [s for s in seqs if s.is_cancelled()]:
-                self.stats["cancelled"] += 1
-                self._retire(prec, s, "cancelled")
         self._reserve_blocks()
         for prec, seqs in self.running.items():
             if not seqs:
@@ -266,6 +262,12 @@ class DecodeScheduler:
             self.stats["engine_seconds"] += time.monotonic() - te
             done = []
             for b, s in enumerate(seqs):
+                # asked right before sending, not before the step: Triton 2.51 can crash on a response sent after
+                # its stream was cancelled (docs/reliability.md), so the window is this line, not a whole step
+                if s.is_cancelled():
+                    self.stats["cancelled"] += 1
+                    done.append((s, "cancelled", True))
+                    continue
                 tok = sample(logits[b], s.params, len(s.tokens))
                 s.tokens.append(tok)
                 reason = None
@@ -280,9 +282,9 @@ class DecodeScheduler:
                 except Exception:  # client went away
                     reason = reason or "cancelled"
                 if reason:
-                    done.append((s, reason))
-            for s, reason in done:
-                self._retire(prec, s, reason, emit=False)
+                    done.append((s, reason, False))
+            for s, reason, emit in done:
+                self._retire(prec, s, reason, emit=emit)
             total += n
         dt = time.monotonic() - t0
         self.stats["steps"] += 1
