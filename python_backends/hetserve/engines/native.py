@@ -47,11 +47,11 @@ ISA_FLAGS = {
 # /proc/cpuinfo flags each build needs
 ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"},
                  "avx2": {"avx2", "fma", "f16c"}}
-# Block size per matrix (inputs per scale; 16 or 32). 32 everywhere is llama.cpp's Q8_0. Measured on the held-out
-# texts (engines/quality.py, teacher-forced vs FP32; SmolLM2-135M): all 32: mean KLD 0.00391, same top-1 95.5%
-# (llama.cpp Q8_0: 0.00388 / 96.3%); 16 for qkv/down/lm_head: 0.00291 / 96.0%; all 16: 0.00253 / 96.5%, where
-# the ONNX Runtime INT8 engine has 0.00267 / 95.8%. All 16 costs ~10% of a batch-16 step (GEMMs ~140 vs ~165
-# GMAC/s on Zen 4); it is the default so the INT8 quality does not drop below the previous engine's.
+# Block size per matrix (inputs per scale; 16 or 32). 32 everywhere is llama.cpp's Q8_0. Held-out texts
+# (engines/quality.py, teacher-forced vs FP32; SmolLM2-135M; loadtest/native_ab.py): all 32: mean KLD 0.00386,
+# same top-1 96.8% (llama.cpp Q8_0: 0.00388 / 96.3%); 16 for qkv/down/lm_head: 0.00295 / 95.5%; all 16: 0.00244 /
+# 96.8%. All 16 costs 7-10% of a batch-1 step and 10-12% of a batch-16 one (Zen 4); it is the default because
+# only it keeps the INT8 KLD under 0.7x Q8_0's (tests/test_quality.py).
 NATIVE_BLOCKS = {"qkv": 16, "o": 16, "gate_up": 16, "down": 16, "lm_head": 16}
 ERRORS = {-1: "a position outside the sequence's KV buffer or the model's max_position", -2: "a token id outside "
           "the vocabulary", -3: "out of memory", -4: "an output index outside the tokens", -5: "a row outside the "

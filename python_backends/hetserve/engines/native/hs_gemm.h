@@ -247,8 +247,8 @@ static const tile_fn hs_tiles32[3][5] = {{0}, {0, tile_1_1_32}, {0, tile_2_1_32}
 
 /* y [M, N] (row stride ldy) = or += x W^T, x already quantized (hs_quant_rows with W's block size). Output
    groups outer, rows inner: a group's weights are read from memory once and stay in L1/L2 for the other row
-   tiles; the first row tile prefetches the next group's into L2 (at one row: 1.2-1.4x the bandwidth of no
-   prefetch, while prefetching into L1 was slower than none). */
+   tiles; the first row tile prefetches the next group's into L2 (at one row it beat no prefetch and prefetching
+   into L1 in ad-hoc runs when this was written; not re-measured since). */
 static void hs_gemm(const int8_t* xq, const float* xs, const int32_t* xc, int M, const QMat* W, float* y, int ldy,
                     int accumulate) {
     const int K = W->K, G = W->N / 16, nb = K / W->bs;
