@@ -102,6 +102,22 @@ class Result(dict):
     """ttft_s, total_s, tokens, tpot_s, error"""
 
 
+def prompt_ids(tok, system: Optional[str] = None) -> List[List[int]]:
+    """The benchmark's 512 distinct chat-templated prompts (STYLES x QUESTIONS) as token ids."""
+    return [tok.encode(tok.apply_chat_template(([{"role": "system", "content": system}] if system else [])
+                                               + [{"role": "user", "content": st + q}]))
+            for st in STYLES for q in QUESTIONS]
+
+
+def server_env(prefill_engine: str, decode_engine: str, extra: List[str] = (), **env: str) -> Dict[str, str]:
+    """A benchmark topology's server environment: the engines, INT8 decode, the circuit breaker out of the way
+    (p99 TTFT > 500 ms -> refuse would shed closed-loop saturation load), then `env`, then K=V strings `extra`."""
+    out = {"HETSERVE_DECODE_PRECISION": "int8", "HETSERVE_DECODE_ENGINES": decode_engine,
+           "HETSERVE_PREFILL_ENGINE": prefill_engine, "HETSERVE_BREAKER_P99_MS": "600000", **env}
+    out.update(kv.split("=", 1) for kv in extra)
+    return out
+
+
 def run_ours(url: str, ids: List[int], max_tokens: int, opts: dict) -> Result:
     from hetserve.client import stream
 
@@ -432,9 +448,7 @@ def main(argv=None):
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     tok = load_tokenizer(a.engine_dir)
     system = LONG_SYSTEM if a.system_prompt == "long" else None
-    texts = [tok.apply_chat_template(([{"role": "system", "content": system}] if system else [])
-                                     + [{"role": "user", "content": st + q}]) for st in STYLES for q in QUESTIONS]
-    ids = [tok.encode(t) for t in texts]
+    ids = prompt_ids(tok, system)
     gguf = a.gguf or read_manifest(a.engine_dir)["source"]
     log_dir = Path(a.json).parent
     bgguf = {"q8_0": None, "shipped": gguf}.get(a.batched_gguf, a.batched_gguf)
@@ -455,12 +469,10 @@ def main(argv=None):
             if not url:
                 from hetserve.topology import Topology
 
-                # the circuit breaker (p99 TTFT > 500 ms -> refuse) would shed this closed-loop saturation load
                 # Custom metrics on (as in production); --no-metrics measures their cost.
-                env = {"HETSERVE_MAX_BATCH": str(a.max_batch), "HETSERVE_DECODE_PRECISION": a.decode_precision,
-                       "HETSERVE_DECODE_ENGINES": a.decode_engine, "HETSERVE_PREFILL_ENGINE": a.prefill_engine,
-                       "HETSERVE_BREAKER_P99_MS": "600000", "HETSERVE_METRICS": "1" if a.metrics else "0"}
-                env.update(kv.split("=", 1) for kv in a.ours_env)
+                env = server_env(a.prefill_engine, a.decode_engine, a.ours_env, HETSERVE_MAX_BATCH=str(a.max_batch),
+                                 HETSERVE_DECODE_PRECISION=a.decode_precision,
+                                 HETSERVE_METRICS="1" if a.metrics else "0")
                 topo = Topology(a.engine_dir, base_port=a.base_port, env=env, log_dir=str(log_dir)).start()
                 url = topo.prefill_grpc
             fns["hetserve"] = lambda i, url=url: run_ours(url, ids[i % len(ids)], a.max_tokens, ours_opts)

@@ -59,11 +59,8 @@ def main(argv=None) -> None:
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra server environment")
     a = ap.parse_args(argv)
     tok = load_tokenizer(a.engine_dir)
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": st + q}]))
-           for st in bench.STYLES for q in bench.QUESTIONS]
-    env = {"HETSERVE_DECODE_PRECISION": "int8", "HETSERVE_DECODE_ENGINES": "decode_int8_native",
-           "HETSERVE_PREFILL_ENGINE": "prefill_int8_native", "HETSERVE_BREAKER_P99_MS": "600000"}
-    env.update(kv.split("=", 1) for kv in a.env)
+    ids = bench.prompt_ids(tok)
+    env = bench.server_env("prefill_int8_native", "decode_int8_native", a.env)
     opts = {"decode_precision": "int8", "kv_dtype": "fp16", "transport": "shm"}
 
     def one(i: int, n: int) -> list:

@@ -55,11 +55,8 @@ def main(argv=None) -> None:
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra server environment")
     a = ap.parse_args(argv)
     tok = load_tokenizer(a.engine_dir)
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": st + q}]))
-           for st in bench.STYLES for q in bench.QUESTIONS]
-    env = {"HETSERVE_MAX_BATCH": "16", "HETSERVE_DECODE_PRECISION": "int8", "HETSERVE_DECODE_ENGINES": a.decode_engine,
-           "HETSERVE_PREFILL_ENGINE": a.prefill_engine, "HETSERVE_BREAKER_P99_MS": "600000"}
-    env.update(kv.split("=", 1) for kv in a.env)
+    ids = bench.prompt_ids(tok)
+    env = bench.server_env(a.prefill_engine, a.decode_engine, a.env, HETSERVE_MAX_BATCH="16")
     opts = {"decode_precision": "int8", "kv_dtype": "fp16", "transport": "shm"}
     nxt = [len(ids) - 2]
 
