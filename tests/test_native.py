@@ -108,12 +108,15 @@ def _packed(engine_dir, info, name):
             off, dt, shape = meta[k]
             return np.frombuffer(mm, dtype=dt, count=int(np.prod(shape)), offset=off).reshape(shape)
 
-        q, s, bs = arr(name + ".q"), arr(name + ".s"), int(meta[name + ".bs"][0])
+        q, s, rd = arr(name + ".q"), arr(name + ".s"), arr(name + ".d")
+        bs = int(meta[name + ".bs"][0])
         G, K4, sixteen, four = q.shape
-        assert (sixteen, four) == (16, 4) and s.shape == (G, K4 * 4 // bs, 16)
+        assert (sixteen, four) == (16, 4) and s.shape == (G, K4 * 4 // bs, 16) and s.dtype == np.uint8
         N, K = G * 16, K4 * 4
+        assert rd.shape == (N,) and rd.dtype == np.float32
         w = q.transpose(0, 2, 1, 3).reshape(N, K).astype(np.int16) - 128  # stored w + 128
-        d = s.view(np.float16).transpose(0, 2, 1).reshape(N, K // bs).astype(np.float64)
+        # block scale = uint8 block scale x float32 row scale
+        d = s.transpose(0, 2, 1).reshape(N, K // bs).astype(np.float64) * rd.astype(np.float64)[:, None]
         assert np.abs(w).max() <= 127
         _DEQ[key] = (w, d, bs)
     return _DEQ[key]

@@ -60,7 +60,7 @@ typedef void (*attend_fn)(const float*, int, const void*, const void*, int, int,
 static attend_fn pick_attend(int D);
 
 static int qmat_ok(const QMat* q, int N, int K) {
-    return q->q && q->s && q->N == N && q->K == K && N % 16 == 0 && (q->bs == 16 || q->bs == 32) &&
+    return q->q && q->s && q->d && q->N == N && q->K == K && N % 16 == 0 && (q->bs == 16 || q->bs == 32) &&
            K % q->bs == 0 && K <= HS_MAX_K;
 }
 

@@ -1,11 +1,14 @@
-/* INT8 x INT8 GEMM of the native engine: y[m, n] (+)= sum_b ws[n, b] * xs[m, b] * sum_{k in block b} w[n, k] x[m, k]
-   Weights: symmetric int8 per block of `bs` (16 or 32) inputs, one fp16 scale per (output, block); activations:
+/* INT8 x INT8 GEMM of the native engine:
+     y[m, n] (+)= wd[n] * sum_b ws[n, b] * xs[m, b] * sum_{k in block b} w[n, k] x[m, k]
+   Weights: symmetric int8 per block of `bs` (16 or 32) inputs, one uint8 scale per (output, block) times one
+   float per output (8.5 bits per weight at blocks of 16, like Q8_0's at 32); activations:
    symmetric int8 per (row, block) quantized at run time (hs_quant_rows), one float scale each. This is
    llama.cpp's Q8_0 x Q8_0 scheme (bs 32) with an optional finer block.
 
    Packed weight layout (engines/native.py writes it; the same bytes for both ISA builds):
      q  uint8 [N/16][K/4][16][4]  w + 128: a 64-byte record holds 4 consecutive k of 16 consecutive outputs
-     s  fp16  [N/16][K/bs][16]
+     s  uint8 [N/16][K/bs][16]   block scales
+     d  float [N]                row scales
    AVX-512 VNNI: one vpdpbusd multiplies the 64-byte record (unsigned) by 4 activation bytes broadcast to every
    lane (signed) into 16 int32 lanes (one per output). The +128 offset adds 128 * sum(x of the block), so each
    block's int32 accumulator starts at xc = -128 * sum(x) instead of 0. AVX2 (no VNNI): the record is two
@@ -20,8 +23,9 @@
 #define HS_MAX_K 65536
 
 typedef struct {
-    const uint8_t* q;  /* [N/16][K/4][16][4] */
-    const uint16_t* s; /* [N/16][K/bs][16] fp16 */
+    const uint8_t* q; /* [N/16][K/4][16][4] */
+    const uint8_t* s; /* [N/16][K/bs][16] */
+    const float* d;   /* [N] */
     int32_t N, K, bs, pad_;
 } QMat;
 
@@ -110,8 +114,8 @@ static void hs_quant_rows(const float* x, int ldx, int M, int K, int bs, int8_t*
 /* one tile: MT rows x NT groups of 16 outputs, over all of K */
 #define HS_TILE(MT, NT, BS)                                                                                       \
     static void tile_##MT##_##NT##_##BS(const int8_t* xq, int K, const float* xs, const int32_t* xc,               \
-                                        const uint8_t* wq, const uint16_t* ws, float* y, int ldy, int accumulate,  \
-                                        const uint8_t* pf) {                                                       \
+                                        const uint8_t* wq, const uint8_t* ws, const float* wd, float* y, int ldy,  \
+                                        int accumulate, const uint8_t* pf) {                                       \
         const int bs = BS, nb = K / BS;                                                                           \
         const size_t wg = (size_t)K * 16, sg = (size_t)nb * 16;                                                   \
         __m512 acc[MT][NT];                                                                                       \
@@ -140,25 +144,31 @@ static void hs_quant_rows(const float* x, int ldx, int M, int K, int bs, int8_t*
             }                                                                                                     \
             __m512 sc[NT];                                                                                        \
             for (int n = 0; n < NT; n++)                                                                          \
-                sc[n] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + n * sg + (size_t)b * 16)));      \
+                sc[n] = _mm512_cvtepi32_ps(                                                                       \
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(ws + n * sg + (size_t)b * 16))));       \
             for (int m = 0; m < MT; m++) {                                                                        \
                 const __m512 xm = _mm512_set1_ps(xs[(size_t)m * nb + b]);                                         \
                 for (int n = 0; n < NT; n++)                                                                      \
                     acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][n]), _mm512_mul_ps(sc[n], xm), acc[m][n]);\
             }                                                                                                     \
         }                                                                                                         \
-        for (int m = 0; m < MT; m++)                                                                              \
-            for (int n = 0; n < NT; n++) {                                                                        \
+        for (int n = 0; n < NT; n++) {                                                                            \
+            const __m512 dn = _mm512_loadu_ps(wd + n * 16);                                                       \
+            for (int m = 0; m < MT; m++) {                                                                        \
                 float* o = y + (size_t)m * ldy + n * 16;                                                          \
-                _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(acc[m][n], _mm512_loadu_ps(o)) : acc[m][n]);      \
+                /* one explicit FMA, not mul + add: gcc may contract those in some tiles only, and then a row's \
+                   result would depend on the batch's tile shape (the exactness tests catch it) */                 \
+                _mm512_storeu_ps(o, accumulate ? _mm512_fmadd_ps(acc[m][n], dn, _mm512_loadu_ps(o))               \
+                                               : _mm512_mul_ps(acc[m][n], dn));                                   \
             }                                                                                                     \
+        }                                                                                                         \
     }
 #else
 /* AVX2: a group of 16 outputs is two 8-lane halves */
 #define HS_TILE(MT, NT, BS)                                                                                       \
     static void tile_##MT##_##NT##_##BS(const int8_t* xq, int K, const float* xs, const int32_t* xc,               \
-                                        const uint8_t* wq, const uint16_t* ws, float* y, int ldy, int accumulate,  \
-                                        const uint8_t* pf) {                                                       \
+                                        const uint8_t* wq, const uint8_t* ws, const float* wd, float* y, int ldy,  \
+                                        int accumulate, const uint8_t* pf) {                                       \
         (void)xc;                                                                                                 \
         const int bs = BS, nb = K / BS;                                                                           \
         const size_t wg = (size_t)K * 16, sg = (size_t)nb * 16;                                                   \
@@ -194,24 +204,27 @@ static void hs_quant_rows(const float* x, int ldx, int M, int K, int bs, int8_t*
             }                                                                                                     \
             __m256 sc[2 * NT];                                                                                    \
             for (int n = 0; n < 2 * NT; n++)                                                                      \
-                sc[n] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ws + (n / 2) * sg + (size_t)b * 16 +     \
-                                                                         (n % 2) * 8)));                          \
+                sc[n] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(                                                  \
+                    _mm_loadl_epi64((const __m128i*)(ws + (n / 2) * sg + (size_t)b * 16 + (n % 2) * 8))));         \
             for (int m = 0; m < MT; m++) {                                                                        \
                 const __m256 xm = _mm256_set1_ps(xs[(size_t)m * nb + b]);                                         \
                 for (int n = 0; n < 2 * NT; n++)                                                                  \
                     acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][n]), _mm256_mul_ps(sc[n], xm), acc[m][n]);\
             }                                                                                                     \
         }                                                                                                         \
-        for (int m = 0; m < MT; m++)                                                                              \
-            for (int n = 0; n < 2 * NT; n++) {                                                                    \
+        for (int n = 0; n < 2 * NT; n++) {                                                                        \
+            const __m256 dn = _mm256_loadu_ps(wd + n * 8);                                                        \
+            for (int m = 0; m < MT; m++) {                                                                        \
                 float* o = y + (size_t)m * ldy + n * 8;                                                           \
-                _mm256_storeu_ps(o, accumulate ? _mm256_add_ps(acc[m][n], _mm256_loadu_ps(o)) : acc[m][n]);      \
+                _mm256_storeu_ps(o, accumulate ? _mm256_fmadd_ps(acc[m][n], dn, _mm256_loadu_ps(o))               \
+                                               : _mm256_mul_ps(acc[m][n], dn));                                   \
             }                                                                                                     \
+        }                                                                                                         \
     }
 #endif
 
-typedef void (*tile_fn)(const int8_t*, int, const float*, const int32_t*, const uint8_t*, const uint16_t*, float*,
-                        int, int, const uint8_t*);
+typedef void (*tile_fn)(const int8_t*, int, const float*, const int32_t*, const uint8_t*, const uint8_t*,
+                        const float*, float*, int, int, const uint8_t*);
 
 /* AVX-512 tiles: MT x NT = 6 x 2 for batches (measured best of 2x4 .. 8x2 on Zen 4 at M = 16 and 608), 1 x 4 for
    one row (bandwidth-bound: more independent weight streams); the M tail uses smaller MT */
@@ -262,8 +275,8 @@ static void hs_gemm(const int8_t* xq, const float* xs, const int32_t* xc, int M,
             const uint8_t* pf = m0 == 0 && next && g + 2 * nt <= G ? next : NULL;
             (W->bs == 16 ? hs_tiles16 : hs_tiles32)[mt][nt](xq + (size_t)m0 * K, K, xs + (size_t)m0 * nb,
                                                             xc + (size_t)m0 * nb, W->q + (size_t)g * wg,
-                                                            W->s + (size_t)g * sg, y + (size_t)m0 * ldy + g * 16, ldy,
-                                                            accumulate, pf);
+                                                            W->s + (size_t)g * sg, W->d + (size_t)g * 16,
+                                                            y + (size_t)m0 * ldy + g * 16, ldy, accumulate, pf);
         }
         g += nt;
     }
