@@ -226,20 +226,19 @@ static void hs_quant_rows(const float* x, int ldx, int M, int K, int bs, int8_t*
 typedef void (*tile_fn)(const int8_t*, int, const float*, const int32_t*, const uint8_t*, const uint8_t*,
                         const float*, float*, int, int, const uint8_t*);
 
-/* AVX-512 tiles: MT x NT = 6 x 2 for batches (measured best of 2x4 .. 8x2 on Zen 4 at M = 16 and 608), 1 x 4 for
-   one row (bandwidth-bound: more independent weight streams); the M tail uses smaller MT */
+/* AVX-512 tiles: MT x NT = 6 x 2 for batches (measured best of 2x4 .. 8x2 on Zen 4 at M = 16 and 608), 1 x 1 and
+   2 x 1 for one and two rows (bandwidth-bound: one sequential stream, hs_gemm); the M tail uses smaller MT */
 #define HS_TILES(BS)                                                                                              \
-    HS_TILE(1, 1, BS) HS_TILE(1, 2, BS) HS_TILE(1, 4, BS) HS_TILE(2, 1, BS) HS_TILE(2, 2, BS) HS_TILE(3, 1, BS)   \
-    HS_TILE(3, 2, BS) HS_TILE(4, 1, BS) HS_TILE(4, 2, BS) HS_TILE(5, 1, BS) HS_TILE(5, 2, BS) HS_TILE(6, 1, BS)   \
-    HS_TILE(6, 2, BS)
+    HS_TILE(1, 1, BS) HS_TILE(1, 2, BS) HS_TILE(2, 1, BS) HS_TILE(2, 2, BS) HS_TILE(3, 1, BS) HS_TILE(3, 2, BS)   \
+    HS_TILE(4, 1, BS) HS_TILE(4, 2, BS) HS_TILE(5, 1, BS) HS_TILE(5, 2, BS) HS_TILE(6, 1, BS) HS_TILE(6, 2, BS)
 #define HS_TILE_TABLE(BS)                                                                                         \
-    {{0, 0, 0, 0, 0},                                                                                             \
-     {0, tile_1_1_##BS, tile_1_2_##BS, 0, tile_1_4_##BS},                                                         \
-     {0, tile_2_1_##BS, tile_2_2_##BS, 0, 0},                                                                     \
-     {0, tile_3_1_##BS, tile_3_2_##BS, 0, 0},                                                                     \
-     {0, tile_4_1_##BS, tile_4_2_##BS, 0, 0},                                                                     \
-     {0, tile_5_1_##BS, tile_5_2_##BS, 0, 0},                                                                     \
-     {0, tile_6_1_##BS, tile_6_2_##BS, 0, 0}}
+    {{0, 0, 0},                                                                                                   \
+     {0, tile_1_1_##BS, tile_1_2_##BS},                                                                           \
+     {0, tile_2_1_##BS, tile_2_2_##BS},                                                                           \
+     {0, tile_3_1_##BS, tile_3_2_##BS},                                                                           \
+     {0, tile_4_1_##BS, tile_4_2_##BS},                                                                           \
+     {0, tile_5_1_##BS, tile_5_2_##BS},                                                                           \
+     {0, tile_6_1_##BS, tile_6_2_##BS}}
 #if defined(HS_AVX512)
 HS_TILES(16)
 HS_TILES(32)
@@ -247,32 +246,40 @@ HS_TILES(32)
 HS_TILE(1, 1, 16) HS_TILE(2, 1, 16) HS_TILE(1, 1, 32) HS_TILE(2, 1, 32)
 #endif
 #if defined(HS_AVX512)
-static const tile_fn hs_tiles16[7][5] = HS_TILE_TABLE(16);
-static const tile_fn hs_tiles32[7][5] = HS_TILE_TABLE(32);
+static const tile_fn hs_tiles16[7][3] = HS_TILE_TABLE(16);
+static const tile_fn hs_tiles32[7][3] = HS_TILE_TABLE(32);
 #define HS_MT 6
 #define HS_NT 2
 #else
-static const tile_fn hs_tiles16[3][5] = {{0}, {0, tile_1_1_16}, {0, tile_2_1_16}};
-static const tile_fn hs_tiles32[3][5] = {{0}, {0, tile_1_1_32}, {0, tile_2_1_32}};
+static const tile_fn hs_tiles16[3][3] = {{0}, {0, tile_1_1_16}, {0, tile_2_1_16}};
+static const tile_fn hs_tiles32[3][3] = {{0}, {0, tile_1_1_32}, {0, tile_2_1_32}};
 #define HS_MT 2
 #define HS_NT 1
 #endif
 
 /* y [M, N] (row stride ldy) = or += x W^T, x already quantized (hs_quant_rows with W's block size). Output
    groups outer, rows inner: a group's weights are read from memory once and stay in L1/L2 for the other row
-   tiles; the first row tile prefetches the next group's into L2 (at one row it beat no prefetch and prefetching
-   into L1 in ad-hoc runs when this was written; not re-measured since). */
+   tiles; the first row tile prefetches the next group's into L2. With AVX-512 at one or two rows the matrix is
+   instead read as one sequential stream (one group per tile, groups are contiguous) with no software prefetch:
+   the hardware prefetcher alone keeps up there, and a whole decode step at batch 1 fell from 6.8 to 5.2 ms
+   (batch 2: 7.2 -> 5.8; 3 rows and up unchanged; AVX2 at 1-2 rows is slower without the prefetch: 6.1 -> 6.3,
+   6.3 -> 7.6). Zen 4, 2026-12-05, medians of 9 interleaved rounds, loadtest/README.md "native INT8 engine". */
 static void hs_gemm(const int8_t* xq, const float* xs, const int32_t* xc, int M, const QMat* W, float* y, int ldy,
                     int accumulate) {
     const int K = W->K, G = W->N / 16, nb = K / W->bs;
     const size_t wg = (size_t)K * 16, sg = (size_t)nb * 16;
-    const int NT = M == 1 && HS_NT > 1 ? 4 : HS_NT, MT = HS_MT;
+#if defined(HS_AVX512)
+    const int stream = M <= 2;
+#else
+    const int stream = 0;
+#endif
+    const int NT = stream ? 1 : HS_NT, MT = HS_MT;
     for (int g = 0; g < G;) {
         const int nt = G - g >= NT ? NT : 1; /* the last G % NT groups one at a time */
         const uint8_t* next = g + nt < G ? W->q + (size_t)(g + nt) * wg : NULL;
         for (int m0 = 0; m0 < M; m0 += MT) {
             const int mt = M - m0 < MT ? M - m0 : MT;
-            const uint8_t* pf = m0 == 0 && next && g + 2 * nt <= G ? next : NULL;
+            const uint8_t* pf = !stream && m0 == 0 && next && g + 2 * nt <= G ? next : NULL;
             (W->bs == 16 ? hs_tiles16 : hs_tiles32)[mt][nt](xq + (size_t)m0 * K, K, xs + (size_t)m0 * nb,
                                                             xc + (size_t)m0 * nb, W->q + (size_t)g * wg,
                                                             W->s + (size_t)g * sg, W->d + (size_t)g * 16,
