@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -38,7 +38,7 @@ log = logging.getLogger("hetserve.native")
 
 SRC_DIR = Path(__file__).resolve().parent / "native"
 SOURCES = ("hs_engine.c", "hs_gemm.h", "hs_simd.h")
-ABI = 3  # hs_engine.c HS_ABI
+ABI = 4  # hs_engine.c HS_ABI (4: per-layer biases and sliding window)
 FORMAT = 2  # packed weight file layout (hs_gemm.h); bump when it changes (2: uint8 block scales)
 ISA_FLAGS = {
     "avx512": ["-DHS_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2",
@@ -156,7 +156,9 @@ class QMatC(ctypes.Structure):
 
 class LayerC(ctypes.Structure):
     _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", QMatC), ("o", QMatC),
-                ("gate_up", QMatC), ("down", QMatC)]
+                ("gate_up", QMatC), ("down", QMatC), ("qkv_b", ctypes.c_void_p), ("o_b", ctypes.c_void_p),
+                ("gate_up_b", ctypes.c_void_p), ("down_b", ctypes.c_void_p), ("window", ctypes.c_int32),
+                ("pad_", ctypes.c_int32)]
 
 
 class ModelC(ctypes.Structure):
@@ -229,18 +231,33 @@ def _fused(W: dict, names: Sequence[str]) -> np.ndarray:
     return np.concatenate([np.asarray(W[n], np.float32) for n in names], axis=0)
 
 
-def native_matrices(ckpt) -> List[Tuple[str, str, np.ndarray]]:
-    """(tensor name, NATIVE_BLOCKS kind, W [N, K]) of every GEMM, in file order."""
+def native_matrices(ckpt) -> Iterator[Tuple[str, str, np.ndarray]]:
+    """(tensor name, NATIVE_BLOCKS kind, W [N, K]) of every GEMM, in file order; one at a time (a generator), so
+    packing holds one matrix in float32, not the model."""
+    c, W = ckpt.config, ckpt.weights
+    for li in range(c.num_layers):
+        a, m = f"model.layers.{li}.self_attn.", f"model.layers.{li}.mlp."
+        yield f"layer{li}.qkv", "qkv", _fused(W, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+        yield f"layer{li}.o", "o", np.asarray(W[a + "o_proj.weight"], np.float32)
+        yield f"layer{li}.gate_up", "gate_up", _fused(W, [m + "gate_proj.weight", m + "up_proj.weight"])
+        yield f"layer{li}.down", "down", np.asarray(W[m + "down_proj.weight"], np.float32)
+    lm = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    yield "lm_head", "lm_head", np.asarray(W[lm], np.float32)
+
+
+def native_biases(ckpt) -> List[Tuple[str, np.ndarray]]:
+    """(tensor name, bias [N]) of every GEMM that has one, fused like its matrix (native_matrices)."""
     c, W = ckpt.config, ckpt.weights
     out = []
     for li in range(c.num_layers):
         a, m = f"model.layers.{li}.self_attn.", f"model.layers.{li}.mlp."
-        out += [(f"layer{li}.qkv", "qkv", _fused(W, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])),
-                (f"layer{li}.o", "o", np.asarray(W[a + "o_proj.weight"], np.float32)),
-                (f"layer{li}.gate_up", "gate_up", _fused(W, [m + "gate_proj.weight", m + "up_proj.weight"])),
-                (f"layer{li}.down", "down", np.asarray(W[m + "down_proj.weight"], np.float32))]
-    lm = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-    out.append(("lm_head", "lm_head", np.asarray(W[lm], np.float32)))
+        if c.qkv_bias:
+            out.append((f"layer{li}.qkv.bias", _fused(W, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])))
+        if c.o_bias:
+            out.append((f"layer{li}.o.bias", np.asarray(W[a + "o_proj.bias"], np.float32)))
+        if c.mlp_bias:
+            out += [(f"layer{li}.gate_up.bias", _fused(W, [m + "gate_proj.bias", m + "up_proj.bias"])),
+                    (f"layer{li}.down.bias", np.asarray(W[m + "down_proj.bias"], np.float32))]
     return out
 
 
@@ -254,9 +271,6 @@ def matrix_shapes(c) -> Dict[str, Tuple[int, int]]:
 def unsupported_reason(ckpt, blocks: Dict[str, int]) -> Optional[str]:
     """Why this checkpoint cannot be packed (None: it can). What the C build itself cannot run (head_dim, head
     groups) hs_model_check says when the packed model is loaded (the builder loads it at once)."""
-    extra = sorted(n for n in ckpt.weights if n.endswith(".bias"))
-    if extra:
-        return f"biases ({extra[0]}, ...) are not in the native engine's model"
     for kind, (N, K) in matrix_shapes(ckpt.config).items():
         if N % 16 or K % blocks[kind]:
             return f"{kind} matrix {N}x{K}: outputs must be a multiple of 16 and inputs of the block {blocks[kind]}"
@@ -291,6 +305,8 @@ def build_native_int8(ckpt, out_dir: Path, blocks: Optional[Dict[str, int]] = No
             p = f"model.layers.{li}."
             put(f"layer{li}.in_norm", np.asarray(W[p + "input_layernorm.weight"], np.float32))
             put(f"layer{li}.post_norm", np.asarray(W[p + "post_attention_layernorm.weight"], np.float32))
+        for key, bvec in native_biases(ckpt):
+            put(key, bvec)
         for key, kind, w in native_matrices(ckpt):
             qp, sp, dp = quantize_matrix(w, blocks[kind])
             put(key + ".q", qp)
@@ -313,7 +329,7 @@ class NativeModel:
     serialized (one scratch per model), and ctypes releases the GIL while C runs."""
 
     def __init__(self, engine_dir: Path, info: dict, cfg, isa: Optional[str] = None):
-        from .onnx_fused import rope_caches
+        from ..model import rope
 
         self.isa = isa or pick_isa()
         self.lib = library(self.isa)
@@ -340,12 +356,17 @@ class NativeModel:
         self.cfg = c
         L, C, H, KVH, D = c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         shapes = matrix_shapes(c)
-        cos, sin = rope_caches(c.rope_theta, D, c.max_position)
+        cos, sin = rope.tables(c.rope, D, c.max_position)
         self._keep = [cos, sin]  # the C struct points into them
         layers = (LayerC * L)()
+        def bias(key):  # NULL (None) where the model has no such bias
+            return arr(key).ctypes.data if key in t else None
+
         for li in range(L):
+            kinds = ("qkv", "o", "gate_up", "down")
             layers[li] = LayerC(arr(f"layer{li}.in_norm").ctypes.data, arr(f"layer{li}.post_norm").ctypes.data,
-                                *(qmat(f"layer{li}.{kind}", *shapes[kind]) for kind in ("qkv", "o", "gate_up", "down")))
+                                *(qmat(f"layer{li}.{kind}", *shapes[kind]) for kind in kinds),
+                                *(bias(f"layer{li}.{kind}.bias") for kind in kinds), int(c.layer_windows[li]), 0)
         self._layers = layers
         self.model = ModelC(L, C, H, KVH, D, c.intermediate_size, c.vocab_size, c.max_position,
                             float(c.rms_norm_eps), 0, arr("embed").ctypes.data, arr("final_norm").ctypes.data,

@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..model import rope
 from ..model.checkpoint import Checkpoint
 from .onnx_graph import _G, OPSET
 
@@ -39,14 +40,6 @@ def past_names(num_layers: int):
 
 def present_names(num_layers: int):
     return [f"present_key_{i}" for i in range(num_layers)], [f"present_value_{i}" for i in range(num_layers)]
-
-
-def rope_caches(theta: float, head_dim: int, max_pos: int):
-    """cos/sin [max_pos, D/2] computed like HF (fp32 inv_freq, fp32 position x inv_freq, fp32 cos/sin)."""
-    inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(
-        np.float32)
-    freqs = np.arange(max_pos, dtype=np.float32)[:, None] * inv[None, :]
-    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
 def build_fused_graph(ckpt: Checkpoint) -> onnx.ModelProto:
@@ -63,10 +56,16 @@ def build_fused_graph(ckpt: Checkpoint) -> onnx.ModelProto:
     def fused_t(names, out):  # MatMul(x, concat(W_i)^T): one weight [in, sum(out_i)]
         return init(np.concatenate([W[n] for n in names], axis=0).T, out)
 
+    def linear(x, names, bias, out):  # x concat(W_i)^T (+ concat(b_i) when the config has these biases)
+        y = g.op("MatMul", [x, fused_t([n + ".weight" for n in names], out)])
+        if bias:
+            y = g.op("Add", [y, init(np.concatenate([W[n + ".bias"] for n in names]), out + "_bias")])
+        return y
+
     def norm_w(wname):
         return init(W[wname], wname.replace(".", "_"))
 
-    cos, sin = rope_caches(c.rope_theta, D, c.max_position)
+    cos, sin = rope.tables(c.rope, D, c.max_position)
     cos_n, sin_n = init(cos, "cos_cache"), init(sin, "sin_cache")
     emb = init(W["model.embed_tokens.weight"], "model_embed_tokens_weight")
     h = g.op("Gather", [emb, "input_ids"], axis=0)  # [B,T,C]
@@ -84,20 +83,22 @@ def build_fused_graph(ckpt: Checkpoint) -> onnx.ModelProto:
     for li in range(L):
         p = f"model.layers.{li}."
         a = p + "self_attn."
-        qkv = g.op("MatMul", [x, fused_t([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
-                                         f"layer{li}_qkv_t")])
+        qkv = linear(x, [a + "q_proj", a + "k_proj", a + "v_proj"], c.qkv_bias, f"layer{li}_qkv_t")
         attn = g.name("attn")
+        # local_window_size counts the keys before the query (ORT attends window + 1 positions); transformers'
+        # sliding_window counts the query itself: window w attends w positions
+        win = int(c.layer_windows[li]) - 1 if c.layer_windows[li] else -1
         g.nodes.append(helper.make_node(
             "GroupQueryAttention", [qkv, "", "", pk[li], pv[li], "seqlens_k", "total_sequence_length", cos_n, sin_n],
             [attn, ok[li], ov[li]], name=g.name("n_GQA"), domain=MS, num_heads=H, kv_num_heads=KVH, do_rotary=1,
-            rotary_interleaved=0, scale=float(1.0 / np.sqrt(D))))
-        o = g.op("MatMul", [attn, init(W[a + "o_proj.weight"].T, f"layer{li}_o_t")])
+            rotary_interleaved=0, scale=float(1.0 / np.sqrt(D)), local_window_size=win))
+        o = linear(attn, [a + "o_proj"], c.o_bias, f"layer{li}_o_t")
         x, h = skip_norm(o, h, p + "post_attention_layernorm.weight")
         m = p + "mlp."
-        gu = g.op("MatMul", [x, fused_t([m + "gate_proj.weight", m + "up_proj.weight"], f"layer{li}_gate_up_t")])
+        gu = linear(x, [m + "gate_proj", m + "up_proj"], c.mlp_bias, f"layer{li}_gate_up_t")
         gate, up = g.op("Split", [gu], n_out=2, axis=-1)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        down = g.op("MatMul", [act, init(W[m + "down_proj.weight"].T, f"layer{li}_down_t")])
+        down = linear(act, [m + "down_proj"], c.mlp_bias, f"layer{li}_down_t")
         nxt = f"model.layers.{li + 1}.input_layernorm.weight" if li + 1 < L else "model.norm.weight"
         x, h = skip_norm(down, h, nxt)
 

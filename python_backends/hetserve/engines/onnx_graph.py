@@ -12,6 +12,10 @@ One graph serves prefill and decode steps ("forward with past"):
            present_key    float32 [B, L, KVH, T, D] K (after RoPE) of the T new tokens only
            present_value  float32 [B, L, KVH, T, D]
 
+Config semantics (model/config.py): RoPE frequencies and attention factor from model/rope.py, q/k/v, o and MLP
+biases when the config has them, and per-layer sliding windows added to the caller's causal mask in the graph (from
+position_ids: a right-padded past holds positions 0..len-1), so every caller's mask stays the plain causal one.
+
 Batch-major KV ([B, ...]) lets the decode batcher keep one buffer whose first n rows are the running batch
 (contiguous, no per-step copy). The host owns the KV cache; the graph only sees the past it is given.
 """
@@ -21,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..model import rope as rope_mod
 from ..model.checkpoint import Checkpoint
 
 OPSET = 17
@@ -61,6 +66,10 @@ def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
         g.inits.append(numpy_helper.from_array(np.ascontiguousarray(W[name].T), n))
         return n
 
+    def linear(x, wname, bias):  # x W^T (+ b when the config has this bias)
+        y = g.op("MatMul", [x, weight_t(wname + ".weight")])
+        return g.op("Add", [y, name_init(wname + ".bias")]) if bias else y
+
     def rmsnorm(x, wname):
         wn = name_init(wname)
         var = g.op("ReduceMean", [g.op("Mul", [x, x])], axes=[-1], keepdims=1)
@@ -81,13 +90,16 @@ def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
     emb = name_init("model.embed_tokens.weight")
     h = g.op("Gather", [emb, "input_ids"], axis=0)  # [B,T,C]
 
-    # RoPE tables from explicit positions (HF rotate_half convention)
-    inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    # RoPE tables from explicit positions (HF rotate_half convention; frequencies per model/rope.py)
+    inv_freq, att = rope_mod.inv_freq(c.rope, D)
     pos = g.op("Cast", ["position_ids"], to=TensorProto.FLOAT)
-    freqs = g.op("Mul", [g.op("Unsqueeze", [pos, i64([-1])]), f32(inv_freq.astype(np.float32))])  # [B,T,D/2]
+    freqs = g.op("Mul", [g.op("Unsqueeze", [pos, i64([-1])]), f32(inv_freq)])  # [B,T,D/2]
     embp = g.op("Concat", [freqs, freqs], axis=-1)
-    cos = g.op("Unsqueeze", [g.op("Cos", [embp]), i64([1])])  # [B,1,T,D]
-    sin = g.op("Unsqueeze", [g.op("Sin", [embp]), i64([1])])
+    cos, sin = g.op("Cos", [embp]), g.op("Sin", [embp])
+    if att != 1.0:  # YaRN's attention factor scales cos and sin (transformers' attention_scaling)
+        cos, sin = g.op("Mul", [cos, f32(att)]), g.op("Mul", [sin, f32(att)])
+    cos = g.op("Unsqueeze", [cos, i64([1])])  # [B,1,T,D]
+    sin = g.op("Unsqueeze", [sin, i64([1])])
     half = D // 2
 
     def rope(x):  # x [B,n,T,D]
@@ -101,14 +113,27 @@ def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
         return g.op("Transpose", [r], perm=[0, 2, 1, 3])
 
     mask5 = g.op("Unsqueeze", ["attention_mask", i64([1])])  # [B,1,1,T,S]
+    masks = {0: mask5}
+
+    def window_mask(w):  # the causal mask plus: key at position j is out of reach of query at q when q - j >= w
+        if w not in masks:
+            P = g.op("Gather", [g.op("Shape", ["past_key"]), i64(3)], axis=0)
+            past_pos = g.op("Expand", [g.op("Unsqueeze", [g.op("Range", [i64(0), P, i64(1)]), i64([0])]),
+                                       g.op("Concat", [B1, g.op("Unsqueeze", [P, i64([0])])], axis=0)])
+            key_pos = g.op("Concat", [past_pos, "position_ids"], axis=1)  # [B,S]: a valid past is 0..len-1
+            diff = g.op("Sub", [g.op("Unsqueeze", ["position_ids", i64([2])]),
+                                g.op("Unsqueeze", [key_pos, i64([1])])])  # [B,T,S]
+            far = g.op("Where", [g.op("GreaterOrEqual", [diff, i64(w)]), f32(-1e9), f32(0.0)])
+            masks[w] = g.op("Add", [mask5, g.op("Unsqueeze", [far, i64([1, 2])])])
+        return masks[w]
     scale = f32(1.0 / np.sqrt(D))
     pres_k, pres_v = [], []
     for li in range(L):
         p = f"model.layers.{li}."
         x = rmsnorm(h, p + "input_layernorm.weight")
-        q = rope(heads(g.op("MatMul", [x, weight_t(p + "self_attn.q_proj.weight")]), H))
-        k = rope(heads(g.op("MatMul", [x, weight_t(p + "self_attn.k_proj.weight")]), KVH))
-        v = heads(g.op("MatMul", [x, weight_t(p + "self_attn.v_proj.weight")]), KVH)
+        q = rope(heads(linear(x, p + "self_attn.q_proj", c.qkv_bias), H))
+        k = rope(heads(linear(x, p + "self_attn.k_proj", c.qkv_bias), KVH))
+        v = heads(linear(x, p + "self_attn.v_proj", c.qkv_bias), KVH)
         pres_k.append(g.op("Unsqueeze", [k, i64([1])]))
         pres_v.append(g.op("Unsqueeze", [v, i64([1])]))
         pk = g.op("Gather", ["past_key", i64(li)], axis=1)
@@ -116,17 +141,18 @@ def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
         K = g.op("Unsqueeze", [g.op("Concat", [pk, k], axis=2), i64([2])])  # [B,KVH,1,S,D]
         V = g.op("Unsqueeze", [g.op("Concat", [pv, v], axis=2), i64([2])])
         qg = g.op("Reshape", [g.op("Mul", [q, scale]), g.op("Concat", [B1, i64([KVH, G]), T1, i64([D])], axis=0)])
-        scores = g.op("Add", [g.op("MatMul", [qg, g.op("Transpose", [K], perm=[0, 1, 2, 4, 3])]), mask5])
+        scores = g.op("Add", [g.op("MatMul", [qg, g.op("Transpose", [K], perm=[0, 1, 2, 4, 3])]),
+                              window_mask(c.layer_windows[li])])
         ctx = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), V])  # [B,KVH,G,T,D]
         ctx = g.op("Reshape", [ctx, g.op("Concat", [B1, i64([H]), T1, i64([D])], axis=0)])
         ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]),
                                g.op("Concat", [B1, T1, i64([H * D])], axis=0)])
-        h = g.op("Add", [h, g.op("MatMul", [ctx, weight_t(p + "self_attn.o_proj.weight")])])
+        h = g.op("Add", [h, linear(ctx, p + "self_attn.o_proj", c.o_bias)])
         x = rmsnorm(h, p + "post_attention_layernorm.weight")
-        gate = g.op("MatMul", [x, weight_t(p + "mlp.gate_proj.weight")])
-        up = g.op("MatMul", [x, weight_t(p + "mlp.up_proj.weight")])
+        gate = linear(x, p + "mlp.gate_proj", c.mlp_bias)
+        up = linear(x, p + "mlp.up_proj", c.mlp_bias)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        h = g.op("Add", [h, g.op("MatMul", [act, weight_t(p + "mlp.down_proj.weight")])])
+        h = g.op("Add", [h, linear(act, p + "mlp.down_proj", c.mlp_bias)])
 
     h = rmsnorm(h, "model.norm.weight")
     flat = g.op("Reshape", [h, i64([-1, C])])

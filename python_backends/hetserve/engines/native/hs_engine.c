@@ -9,7 +9,8 @@
    Math (the same model as engines/onnx_graph.py): h = embed[id]; per layer x = rms(h) * w_in;
    q|k|v = x Wqkv^T; RoPE (HF rotate_half, cos/sin tables from the caller) on q and k at the token's position;
    K, V stored at the position; causal attention of each query head over positions 0..pos of its sequence
-   (kv head = head / (H / KVH)); h += attn Wo^T; x = rms(h) * w_post; g|u = x Wgu^T; h += (silu(g) * u) Wdown^T.
+   (kv head = head / (H / KVH)), or over the last `window` positions of a sliding-window layer; h += attn Wo^T;
+   x = rms(h) * w_post; g|u = x Wgu^T; h += (silu(g) * u) Wdown^T; each GEMM adds its bias when the layer has one.
    logits = (rms(h) * w_norm) Wlm^T for the requested tokens. Norms, RoPE, softmax and attention in fp32.
 
    KV of sequence r: element (layer l, kv head g, position p, d) at kv_k[r][l * lstride[r] + (g * cap[r] + p) * D + d]
@@ -21,12 +22,16 @@
 #include "hs_gemm.h"
 #include "hs_simd.h"
 
-#define HS_ABI 3
+#define HS_ABI 4
 
 typedef struct {
     const float* in_norm;
     const float* post_norm;
     QMat qkv, o, gate_up, down;
+    /* biases added after each GEMM (NULL: none): [qkv N], [C], [2 I], [C] */
+    const float *qkv_b, *o_b, *gate_up_b, *down_b;
+    int32_t window; /* attend to the last `window` positions, the token's own included; 0: all */
+    int32_t pad_;
 } Layer;
 
 typedef struct {
@@ -71,7 +76,7 @@ int hs_model_check(const Model* m) {
         const Layer* y = &m->layers[l];
         if (!qmat_ok(&y->qkv, (m->H + 2 * m->KVH) * m->D, m->C) || !qmat_ok(&y->o, m->C, m->H * m->D) ||
             !qmat_ok(&y->gate_up, 2 * m->I, m->C) || !qmat_ok(&y->down, m->C, m->I) || !y->in_norm ||
-            !y->post_norm)
+            !y->post_norm || y->window < 0)
             return -2;
     }
     if (!qmat_ok(&m->lm_head, m->V, m->C) || !m->embed || !m->final_norm || !m->rope_cos || !m->rope_sin) return -3;
@@ -329,6 +334,17 @@ static void silu_mul(const float* gu, int I, float* out) {
     }
 }
 
+/* y[i] += b for M rows of width N (ld apart) */
+static void add_bias(float* y, int ld, int M, const float* b, int N) {
+    if (!b) return;
+    for (int i = 0; i < M; i++) {
+        float* r = y + (size_t)i * ld;
+        int j = 0;
+        for (; j + VW <= N; j += VW) vstore(r + j, vadd(vload(r + j), vload(b + j)));
+        for (; j < N; j++) r[j] += b[j];
+    }
+}
+
 static double qgemm(Scratch* s, const float* x, int ldx, int M, const QMat* W, float* y, int ldy, int accumulate,
                     double t0, int section) {
     hs_quant_rows(x, ldx, M, W->K, W->bs, s->xq, s->xs, s->xc);
@@ -339,6 +355,9 @@ static double qgemm(Scratch* s, const float* x, int ldx, int M, const QMat* W, f
     s->t[section] += t2 - t1;
     return t2;
 }
+
+/* first position a token at `pos` attends to in this layer (sliding window) */
+static inline int win_start(const Layer* y, int pos) { return y->window && pos + 1 > y->window ? pos + 1 - y->window : 0; }
 
 /* One forward pass over M tokens. Token t is at position pos[t] of sequence row[t] (0 <= row[t] < R): its K/V are
    written there and it attends to positions 0..pos[t] of that sequence, so a sequence's earlier positions must hold
@@ -374,6 +393,7 @@ int hs_forward(const Model* m, Scratch* s, int32_t M, const int64_t* ids, const 
         for (int i = 0; i < M; i++) rms_norm(h + (size_t)i * C, y->in_norm, s->x + (size_t)i * C, C, m->eps);
         u = now_s(); s->t[P_NORM] += u - t;
         t = qgemm(s, s->x, C, M, &y->qkv, s->qkv, qkvw, 0, u, P_QKV);
+        add_bias(s->qkv, qkvw, M, y->qkv_b, qkvw);
         for (int i = 0; i < M; i++) { /* RoPE on q and k, then K/V into the sequence's buffer */
             float* q = s->qkv + (size_t)i * qkvw;
             const float* c = m->rope_cos + (size_t)pos[i] * (D / 2);
@@ -399,23 +419,28 @@ int hs_forward(const Model* m, Scratch* s, int32_t M, const int64_t* ids, const 
             const char *pk = NULL, *pv = NULL;
             size_t pbytes = 0;
             if (it + 1 < n_items) {
-                const int i2 = (it + 1) / KVH, g2 = (it + 1) % KVH, r2 = row[i2];
-                const size_t off = (size_t)l * lstride[r2] * esz + (size_t)g2 * cap[r2] * D * esz;
+                const int i2 = (it + 1) / KVH, g2 = (it + 1) % KVH, r2 = row[i2], st2 = win_start(y, pos[i2]);
+                const size_t off = (size_t)l * lstride[r2] * esz + ((size_t)g2 * cap[r2] + st2) * D * esz;
                 pk = (const char*)kv_k[r2] + off;
                 pv = (const char*)kv_v[r2] + off;
-                pbytes = (size_t)(pos[i2] + 1) * D * esz;
+                pbytes = (size_t)(pos[i2] + 1 - st2) * D * esz;
             }
-            attend(q + (size_t)g * group * D, group, kl, vl, kv16, pos[i] + 1, scale, s->scores, s->kb,
-                   s->x + (size_t)i * qw + (size_t)g * group * D, pk, pv, pbytes);
+            const int st = win_start(y, pos[i]);
+            attend(q + (size_t)g * group * D, group, kl + (size_t)st * D * esz, vl + (size_t)st * D * esz, kv16,
+                   pos[i] + 1 - st, scale, s->scores, s->kb, s->x + (size_t)i * qw + (size_t)g * group * D, pk, pv,
+                   pbytes);
         }
         u = now_s(); s->t[P_ATTN] += u - t;
         t = qgemm(s, s->x, qw, M, &y->o, h, C, 1, u, P_O);
+        add_bias(h, C, M, y->o_b, C);
         for (int i = 0; i < M; i++) rms_norm(h + (size_t)i * C, y->post_norm, s->x + (size_t)i * C, C, m->eps);
         u = now_s(); s->t[P_NORM] += u - t;
         t = qgemm(s, s->x, C, M, &y->gate_up, s->gu, 2 * I, 0, u, P_GATE_UP);
+        add_bias(s->gu, 2 * I, M, y->gate_up_b, 2 * I);
         for (int i = 0; i < M; i++) silu_mul(s->gu + (size_t)i * 2 * I, I, s->act + (size_t)i * I);
         u = now_s(); s->t[P_SILU] += u - t;
         t = qgemm(s, s->act, I, M, &y->down, h, C, 1, u, P_DOWN);
+        add_bias(h, C, M, y->down_b, C);
     }
     if (n_out == 0) return 0;
     for (int i = 0; i < n_out; i++)
