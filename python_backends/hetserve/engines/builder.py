@@ -17,8 +17,8 @@ from .. import config
 from ..model.checkpoint import load_checkpoint
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
-# 9: config semantics (rope types, biases, sliding windows, qwen2); 8: native uint8 block scales; 7: native quality on its fp16 KV cache; 6: native INT8 engine; 5: INT8 scheme,
-# QDQ, quality
+# 9: config semantics (rope types, biases, sliding windows, qwen2); 8: native uint8 block scales;
+# 7: native quality on its fp16 KV cache; 6: native INT8 engine; 5: INT8 scheme, QDQ, quality
 BUILDER_VERSION = 9
 INT8_BLOCK = 32
 

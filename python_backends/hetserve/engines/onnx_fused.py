@@ -85,9 +85,9 @@ def build_fused_graph(ckpt: Checkpoint) -> onnx.ModelProto:
         a = p + "self_attn."
         qkv = linear(x, [a + "q_proj", a + "k_proj", a + "v_proj"], c.qkv_bias, f"layer{li}_qkv_t")
         attn = g.name("attn")
-        # local_window_size counts the keys before the query (ORT attends window + 1 positions); transformers'
-        # sliding_window counts the query itself: window w attends w positions
-        win = int(c.layer_windows[li]) - 1 if c.layer_windows[li] else -1
+        # sliding window: ORT's local_window_size and transformers' sliding_window both count the query itself
+        # (w positions attended; checked token-exact against transformers in tests/test_model_zoo.py)
+        win = int(c.layer_windows[li]) if c.layer_windows[li] else -1
         g.nodes.append(helper.make_node(
             "GroupQueryAttention", [qkv, "", "", pk[li], pv[li], "seqlens_k", "total_sequence_length", cos_n, sin_n],
             [attn, ok[li], ov[li]], name=g.name("n_GQA"), domain=MS, num_heads=H, kv_num_heads=KVH, do_rotary=1,

@@ -12,6 +12,7 @@ are permuted back so that the KV cache has the same layout whatever the source (
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -241,7 +242,7 @@ def load_gguf(path: str) -> Checkpoint:
         heads = None
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = n_head if ".q_proj." in name else n_kv  # llama.cpp permutes llama-arch q/k (weights, biases)
-        loaders[name] = (lambda t=t, heads=heads: _gguf_tensor(t, heads))
+        loaders[name] = functools.partial(_gguf_tensor, t, heads)
         shapes[name] = tuple(int(x) for x in reversed(t.shape))
     if unknown:
         raise UnsupportedConfig(f"{path}: tensors the engines do not implement: {unknown[:4]}")
@@ -344,7 +345,7 @@ def load_safetensors_dir(path: str) -> Checkpoint:
     unknown = sorted(n for n in index if not _hf_name_known(n))
     if unknown:
         raise UnsupportedConfig(f"{path}: tensors the engines do not implement: {unknown[:4]}")
-    loaders = {n: (lambda e=e: _st_tensor(*e)) for n, e in index.items()}
+    loaders: Dict[str, Callable[[], np.ndarray]] = {n: functools.partial(_st_tensor, *e) for n, e in index.items()}
     shapes = {n: e[2] for n, e in index.items()}
     tok_json = d / "tokenizer.json"
     if not tok_json.exists():
