@@ -108,7 +108,7 @@ def test_compat_hash_carries_wire_version(monkeypatch):
     from hetserve.model.checkpoint import LlamaConfig
 
     cfg = LlamaConfig(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4,
-                      vocab_size=10, rope_theta=1e4, rms_norm_eps=1e-5, max_position=64,
+                      vocab_size=10, rope={"type": "default", "theta": 1e4}, rms_norm_eps=1e-5, max_position=64,
                       tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(), name="t")
     a = manifest.compat_hash("src", cfg)
     monkeypatch.setattr(manifest, "KV_WIRE_VERSION", 1)

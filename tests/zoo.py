@@ -116,10 +116,12 @@ def random_quant_rows(rng, rows: int, cols: int, qtype) -> np.ndarray:
 
 
 def write_gguf(path: Path, hf_dir: Path, model, arch: str = "llama", qtypes: Optional[dict] = None,
-               rope_freqs: Optional[np.ndarray] = None, eos_ids=(2,), tokenizer: str = "gpt2", extra_kv=None):
+               rope_freqs: Optional[np.ndarray] = None, eos_ids=(2,), tokenizer: str = "gpt2", extra_kv=None,
+               split_max_tensors: int = 0, extra_tensors: Optional[Dict[str, np.ndarray]] = None):
     """A GGUF of `model` (a transformers model), laid out like llama.cpp's converter. `qtypes` maps GGUF tensor-name
     suffixes to GGML types: Q8_0/Q4_0/Q4_1/F16/BF16 are quantized from the weights; K-quants are made as random
-    raw blocks and *written back into `model`* dequantized, so transformers holds exactly the GGUF's weights."""
+    raw blocks and *written back into `model`* dequantized, so transformers holds exactly the GGUF's weights.
+    `split_max_tensors` > 0 writes split files (`<stem>-0000i-of-0000N.gguf`) as llama.cpp's gguf-split does."""
     import gguf
     import torch
 
@@ -127,7 +129,7 @@ def write_gguf(path: Path, hf_dir: Path, model, arch: str = "llama", qtypes: Opt
     cfg = model.config
     H, KVH = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name(path.stem)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -165,6 +167,8 @@ def write_gguf(path: Path, hf_dir: Path, model, arch: str = "llama", qtypes: Opt
         w.add_eot_token_id(eos_ids[1])
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
+    for name, a in (extra_tensors or {}).items():
+        w.add_tensor(name, np.asarray(a, np.float32))
     rng = np.random.default_rng(1)
     sd = model.state_dict()
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",

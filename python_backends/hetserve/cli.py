@@ -60,7 +60,10 @@ def cmd_up(args) -> int:
     from .server import REPO_ROOT, bind_host
 
     ed = _engine_dir(args)
-    build_engines(args.checkpoint, ed)
+    problems = _unservable_engines(build_engines(args.checkpoint, ed))
+    if problems:
+        print("hetserve up: refusing to start: " + "; ".join(problems), file=sys.stderr)
+        return 1
     env = {"HETSERVE_SNAPSHOT_DIR": args.snapshot_dir or str(REPO_ROOT / ".hetserve" / "snapshots")}
     scaler = stop_scaler = None
     lo = hi = n = 1
@@ -110,6 +113,16 @@ def cmd_up(args) -> int:
             fe.stop()
         topo.stop()
     return rc
+
+
+def _unservable_engines(manifest: dict) -> list:
+    """The configured engines (HETSERVE_PREFILL_ENGINE, HETSERVE_DECODE_ENGINES, ...) that neither exist nor have
+    a recorded fallback: checked before any server starts, so no server dies after start for want of one."""
+    from .engines.manifest import unresolved_engines
+
+    names = [config.get("HETSERVE_PREFILL_ENGINE"), config.get("HETSERVE_AGGREGATED_DECODE_ENGINE"),
+             *(n.strip() for n in config.get("HETSERVE_DECODE_ENGINES").split(",") if n.strip())]
+    return unresolved_engines(manifest, names)
 
 
 def _start_openai(args, triton_url: str, engine_dir: str, host: str):

@@ -1,12 +1,31 @@
 """Tokenizer + chat template built from the checkpoint itself (GGUF metadata or HF tokenizer.json).
 
-Uses the `tokenizers` library (byte-level BPE); nothing is downloaded.
+Uses the `tokenizers` library; nothing is downloaded. GGUF vocabularies are rebuilt to tokenize as llama.cpp
+does: byte-level BPE (`gpt2`, per `tokenizer.ggml.pre`) and SentencePiece BPE (`llama`).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
-_SPECIAL_TYPES = (3, 4)  # gguf token_type CONTROL, USER_DEFINED
+_SPECIAL_TYPES = (2, 3)  # gguf token_type UNKNOWN, CONTROL
+_USER_DEFINED = 4
+
+# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe), applied in turn, by
+# tokenizer.ggml.pre value. llama.cpp spells the case-insensitive contractions as [sS] etc.: the same matches.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+# pre -> (regexes, ignore_merges: llama.cpp emits a whole pre-token found in the vocab as is, for llama3 only).
+# A missing pre is llama.cpp's "default" (it warns that quality degrades).
+_PRE_SPLITS: Dict[Optional[str], Tuple[Tuple[str, ...], bool]] = {
+    "llama-bpe": ((_LLAMA3,), True), "llama3": ((_LLAMA3,), True), "llama-v3": ((_LLAMA3,), True),
+    "qwen2": ((_QWEN2,), False), "deepseek-r1-qwen": ((_QWEN2,), False),
+    "default": (_DEFAULT, False), None: (_DEFAULT, False),
+}
+# llama.cpp splits "\p{N}" then GPT-2's regex for these: Digits + ByteLevel's own regex do exactly that
+_DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact")
 
 
 class TokenizerError(ValueError):
@@ -32,28 +51,28 @@ class Tokenizer:
 
     @staticmethod
     def _from_gguf(spec: dict):
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import AddedToken
 
-        if spec.get("model") != "gpt2":
-            raise TokenizerError(f"GGUF tokenizer model {spec.get('model')!r} not supported (byte-level BPE only)")
-        tokens: List[str] = spec["tokens"]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in spec["merges"]]
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        pre = spec.get("pre")
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in ("smollm", "starcoder", "refact", "default", None):
-            # llama.cpp's smollm/starcoder pre-tokenisers split digits individually before GPT-2's regex.
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        model = spec.get("model")
+        if model == "gpt2":
+            tok = _byte_level_bpe(spec)
+        elif model == "llama":
+            tok = _sentencepiece_bpe(spec)
         else:
-            tok.pre_tokenizer = byte_level
-        tok.decoder = decoders.ByteLevel()
+            raise TokenizerError(f"GGUF tokenizer model {model!r} not supported (gpt2 byte-level BPE and llama "
+                                 "SentencePiece BPE only)")
+        tokens: List[str] = spec["tokens"]
         types = spec.get("token_type") or []
+        # llama.cpp matches unknown/control/user-defined tokens whole in the text; user-defined ones (e.g. <think>)
+        # are ordinary text when decoding, the others are skipped like llama.cpp's token_to_piece(special=False).
         special = [AddedToken(tokens[i], special=True, normalized=False)
                    for i, ty in enumerate(types) if ty in _SPECIAL_TYPES]
         if special:
             tok.add_special_tokens(special)
+        user = [AddedToken(tokens[i], special=False, normalized=False)
+                for i, ty in enumerate(types) if ty == _USER_DEFINED]
+        if user:
+            tok.add_tokens(user)
         return tok
 
     def encode(self, text: str, add_special: bool = False) -> List[int]:
@@ -93,3 +112,71 @@ def text_delta(tok: Tokenizer, all_ids: Sequence[int], n_new: int) -> str:
     prev = stable_text(tok, all_ids[:len(all_ids) - n_new])
     cur = stable_text(tok, all_ids)
     return cur[len(prev):] if cur.startswith(prev) else cur
+
+
+def _byte_level_bpe(spec: dict):
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    pre = spec.get("pre")
+    if pre not in _DIGIT_SPLIT_PRES and pre not in _PRE_SPLITS:
+        known = sorted(set(_DIGIT_SPLIT_PRES) | {p for p in _PRE_SPLITS if p})
+        raise TokenizerError(f"GGUF tokenizer.ggml.pre {pre!r} is not implemented (known: {known}); refusing "
+                             "rather than splitting text differently from how the model was trained")
+    splits, ignore_merges = _PRE_SPLITS.get(pre, ((), False))
+    vocab = {t: i for i, t in enumerate(spec["tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in spec["merges"]]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                 ignore_merges=ignore_merges))
+    if splits:
+        steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            steps + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                              use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(spec: dict):
+    """llama.cpp's SPM tokenizer (Llama 2, Mistral): BPE over the whole text with spaces as U+2581, merging the
+    adjacent pair whose joined piece scores highest, bytes for what no piece covers."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    tokens: List[str] = spec["tokens"]
+    types = spec.get("token_type") or []
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # llama.cpp's SPM tokenizer goes by the scores and ignores any tokenizer.ggml.merges
+    merges = _merges_from_scores(tokens, spec.get("scores") or [], types)
+    unk = next((tokens[i] for i, ty in enumerate(types) if ty == 2), None)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix = spec.get("add_space_prefix")
+    prefix = True if prefix is None else bool(prefix)  # GGUF tokenizer.ggml.add_space_prefix, llama.cpp default
+    # A normalizer, not Metaspace: llama.cpp prepends a space to every text fragment (the start and after each
+    # special token) even when it already starts with one; Metaspace would not add a second.
+    steps = [normalizers.Replace(" ", "\u2581")]
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else []) + steps)
+    dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(dec + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok
+
+
+def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> List[Tuple[str, str]]:
+    """Every split of a piece into two pieces is a merge, ranked by the joined piece's score (llama.cpp merges the
+    adjacent pair whose joined piece scores highest), best first."""
+    if len(scores) != len(tokens):
+        raise TokenizerError("GGUF SentencePiece vocabulary without tokenizer.ggml.scores for every token")
+    vocab = set(tokens)
+    ranked = [(-scores[i], i, k) for i, t in enumerate(tokens) for k in range(1, len(t))
+              if t[:k] in vocab and t[k:] in vocab]
+    # On a tie llama.cpp merges the leftmost pair, which no merge table can say; SentencePiece gives every piece
+    # its own score, so ties mean placeholder scores (e.g. converted from tokenizer.json): refuse those.
+    normal = {i: scores[i] for _, i, _ in ranked if i >= len(types) or types[i] == 1}
+    if len(set(normal.values())) < len(normal):
+        raise TokenizerError("GGUF SentencePiece vocabulary has pieces with equal scores; llama.cpp would merge "
+                             "them leftmost-first, which hetserve cannot reproduce: refusing")
+    ranked.sort()
+    return [(tokens[i][:k], tokens[i][k:]) for _, i, k in ranked]

@@ -11,15 +11,16 @@ import hashlib
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from .. import config
 from ..model.checkpoint import load_checkpoint
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
-# 9: config semantics (rope types, biases, sliding windows, qwen2); 8: native uint8 block scales;
-# 7: native quality on its fp16 KV cache; 6: native INT8 engine; 5: INT8 scheme, QDQ, quality
-BUILDER_VERSION = 9
+# 10: `unbuilt` engines with their fallback; 9: config semantics (rope types, biases, sliding windows, qwen2);
+# 8: native uint8 block scales; 7: native quality on its fp16 KV cache; 6: native INT8 engine;
+# 5: INT8 scheme, QDQ, quality
+BUILDER_VERSION = 10
 INT8_BLOCK = 32
 
 
@@ -116,7 +117,8 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
         "decode_int8_standard": {"file": int8.name, "backend": "onnxruntime", "attention": "standard", **int8_info},
     }
     engines.update(_build_qdq(ckpt, fp32, out, log, t0))
-    engines.update(_build_native(ckpt, out, log, t0))
+    native, unbuilt = _build_native(ckpt, out, log, t0)
+    engines.update(native)
     if use_trt:  # pragma: no cover - needs a GPU
         from .trt_builder import build_trt_engines
 
@@ -144,6 +146,7 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
                       "add_bos": ckpt.tokenizer_spec.get("add_bos", False)},
         "chat_template": ckpt.chat_template,
         "engines": engines,
+        "unbuilt": unbuilt,  # {name: {reason, fallback}}: engines this checkpoint cannot have (runtime.load_engine)
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build_seconds": round(time.time() - t0, 1),
     }
@@ -171,30 +174,37 @@ def _build_qdq(ckpt, fp32: Path, out: Path, log, t0) -> dict:
     return res
 
 
-def _build_native(ckpt, out: Path, log, t0) -> dict:
+NATIVE_FALLBACKS = {"prefill_int8_native": "prefill_fp32", "decode_int8_native": "decode_int8"}
+
+
+def _build_native(ckpt, out: Path, log, t0) -> Tuple[dict, dict]:
     """The native INT8 engine: packed weights (any machine), and the C library compiled now for this CPU so the
-    servers' first start does not pay for it (a CPU or compiler that cannot build it only logs why)."""
+    servers' first start does not pay for it (a CPU or compiler that cannot build it only logs why). Returns
+    (engines, unbuilt): a checkpoint the native engine does not implement is recorded with its reason and the
+    engine served in its place, so a server configured for it still starts (runtime.load_engine)."""
     from .native import NativeModel, NativeModelUnsupported, NativeUnavailable, build_native_int8
 
     log(f"  native INT8 engine (engines/native.py)  +{time.time() - t0:.1f}s")
+
+    def unbuilt(e: Exception) -> Tuple[dict, dict]:
+        log(f"  native INT8 engine skipped: {e}; {', '.join(f'{n} -> {fb}' for n, fb in NATIVE_FALLBACKS.items())}")
+        return {}, {n: {"reason": str(e), "fallback": fb} for n, fb in NATIVE_FALLBACKS.items()}
+
     try:
         info = build_native_int8(ckpt, out)
     except NativeModelUnsupported as e:  # refused before writing anything
-        log(f"  native INT8 engine skipped: {e}")
-        return {}
+        return unbuilt(e)
     try:
         NativeModel(out, info, ckpt.config).close()  # compiles the library, checks the shapes against it
     except NativeModelUnsupported as e:
-        log(f"  native INT8 engine skipped: {e}")
         for f in (info["file"], info["index"]):
             (out / f).unlink(missing_ok=True)
-        return {}
+        return unbuilt(e)
     except NativeUnavailable as e:  # packed for any machine; this one cannot run it (the quality gate skips it)
         log(f"  native engine packed, but it cannot run on this machine: {e}")
     # one file, two roles (as prefill_fp32 / decode_fp32_standard share theirs); a decode server that cannot
-    # run it loads `fallback` instead (triton/decode.py)
-    return {"prefill_int8_native": dict(info, fallback="prefill_fp32"),
-            "decode_int8_native": dict(info, fallback="decode_int8")}
+    # run it loads `fallback` instead (runtime.load_engine)
+    return {n: dict(info, fallback=fb) for n, fb in NATIVE_FALLBACKS.items()}, {}
 
 
 def _add_quality(out: Path, manifest: dict, log, t0) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, List, Optional
 
 from ..model.checkpoint import LlamaConfig
 
@@ -36,3 +36,25 @@ def read_manifest(engine_dir) -> Optional[dict]:
     if not p.exists():
         return None
     return json.loads(p.read_text())
+
+
+def resolve_engine(manifest: dict, name: str) -> Optional[str]:
+    """The engine to load for the configured `name`: itself when built, else the fallback the builder recorded under
+    `unbuilt` (an engine this checkpoint cannot have, e.g. the native INT8 engine for a shape it does not run);
+    None when neither exists."""
+    if name in manifest.get("engines", {}):
+        return name
+    fb = manifest.get("unbuilt", {}).get(name, {}).get("fallback")
+    return fb if fb in manifest.get("engines", {}) else None
+
+
+def unresolved_engines(manifest: dict, names: Iterable[str]) -> List[str]:
+    """Messages for the configured engines that cannot be loaded at all (`hetserve up` refuses before any server
+    starts, rather than a server dying after start)."""
+    out = []
+    for n in names:
+        if resolve_engine(manifest, n) is None:
+            why = manifest.get("unbuilt", {}).get(n, {}).get("reason")
+            out.append(f"engine {n!r} " + (f"was not built ({why})" if why else "is not in the manifest")
+                       + f"; built: {sorted(manifest.get('engines', {}))}")
+    return out

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import config
 from ..model.checkpoint import LlamaConfig
-from .manifest import read_manifest
+from .manifest import read_manifest, resolve_engine
 
 NEG_INF = np.float32(-1e9)
 
@@ -37,19 +37,25 @@ class EngineError(RuntimeError):
 
 
 def load_engine(engine_dir: str, name: str, threads: Optional[int] = None) -> "Engine":
-    """Engine(engine_dir, name), or its manifest `fallback` when this machine cannot run it (the native engine on a
-    CPU or without a compiler it needs): a warning says which and why, never a silent swap."""
+    """Engine(engine_dir, name), or its fallback when this checkpoint has no such engine (the builder recorded why
+    under `unbuilt`) or this machine cannot run it (the native engine on a CPU or without a compiler it needs): a
+    warning says which and why, never a silent swap."""
     from .native import NativeUnavailable
 
+    log = logging.getLogger("hetserve.engines")
+    man = read_manifest(Path(engine_dir)) or {}
+    if name not in man.get("engines", {}) and resolve_engine(man, name):
+        fb = resolve_engine(man, name)
+        log.warning("engine %s was not built for this checkpoint (%s); loading %s instead", name,
+                    man["unbuilt"][name].get("reason"), fb)
+        return Engine(engine_dir, str(fb), threads=threads)
     try:
         return Engine(engine_dir, name, threads=threads)
     except NativeUnavailable as e:
-        man = read_manifest(Path(engine_dir)) or {}
         fb = man.get("engines", {}).get(name, {}).get("fallback")
         if not fb:
             raise
-        logging.getLogger("hetserve.engines").warning("engine %s cannot run here (%s); loading %s instead",
-                                                      name, e, fb)
+        log.warning("engine %s cannot run here (%s); loading %s instead", name, e, fb)
         return Engine(engine_dir, fb, threads=threads)
 
 

@@ -246,22 +246,35 @@ def load_gguf(path: str) -> Checkpoint:
         shapes[name] = tuple(int(x) for x in reversed(t.shape))
     if unknown:
         raise UnsupportedConfig(f"{path}: tensors the engines do not implement: {unknown[:4]}")
-    tok_spec = {
-        "kind": "gguf",
-        "model": _field(reader, "tokenizer.ggml.model"),
-        "pre": _field(reader, "tokenizer.ggml.pre"),
-        "tokens": list(tokens),
-        "scores": [float(x) for x in _field(reader, "tokenizer.ggml.scores", [])],
-        "merges": list(_field(reader, "tokenizer.ggml.merges", [])),
-        "token_type": [int(x) for x in _field(reader, "tokenizer.ggml.token_type", [])],
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": int(eos) if eos is not None else None,
-        "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-    }
+    tok_spec = gguf_tokenizer_spec(reader)
     ckpt = Checkpoint(cfg, LazyWeights(loaders, shapes), path, file_sha256(files), tok_spec,
                       _field(reader, "tokenizer.chat_template"))
     _validate(ckpt)
     return ckpt
+
+
+def gguf_tokenizer_spec(reader) -> dict:
+    """What tokenizer.Tokenizer builds a GGUF's tokenizer from (`reader`: gguf.GGUFReader of the first file)."""
+    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
+    return {
+        "kind": "gguf",
+        "model": _field(reader, "tokenizer.ggml.model"),
+        "pre": _field(reader, "tokenizer.ggml.pre"),
+        "tokens": list(_field(reader, "tokenizer.ggml.tokens", [])),
+        "scores": [float(x) for x in _field(reader, "tokenizer.ggml.scores", [])],
+        "merges": list(_field(reader, "tokenizer.ggml.merges", [])),
+        "token_type": [int(x) for x in _field(reader, "tokenizer.ggml.token_type", [])],
+        "bos_token_id": int(bos) if bos is not None else None,
+        "eos_token_id": int(eos) if eos is not None else None,
+        # llama.cpp's defaults when the key is absent: BOS for SentencePiece and for Llama 3's pre-tokenizer
+        "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", _gguf_bos_default(reader))),
+        "add_space_prefix": _field(reader, "tokenizer.ggml.add_space_prefix"),  # None: llama.cpp's default (true)
+    }
+
+
+def _gguf_bos_default(reader) -> bool:
+    return (_field(reader, "tokenizer.ggml.model") == "llama"
+            or _field(reader, "tokenizer.ggml.pre") in ("llama-bpe", "llama3", "llama-v3"))
 
 
 def _gguf_tensor(t, heads: Optional[int]) -> np.ndarray:
