@@ -318,3 +318,12 @@ def test_native_unbuilt_checkpoint_serves_on_the_fallback(tmp_path, tok_json):
                         "--exit-after-prompt"], capture_output=True, text=True, timeout=300, env=env,
                        cwd=str(zoo.Path(__file__).resolve().parents[1] / "python_backends"))
     assert r.returncode == 1 and "decode_bogus" in r.stderr and "starting" not in r.stderr, r.stderr[-2000:]
+
+
+def test_readme_supported_models_table_is_current():
+    from hetserve.model.support import BEGIN, END, table
+
+    readme = (zoo.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert BEGIN in readme and END in readme
+    have = readme[readme.index(BEGIN):readme.index(END) + len(END)]
+    assert have == table(), "README's Supported models table is stale: python3 -m hetserve.model.support"

@@ -28,6 +28,11 @@ _PRE_SPLITS: Dict[Optional[str], Tuple[Tuple[str, ...], bool]] = {
 _DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact")
 
 
+def gguf_pre_names() -> List[str]:
+    """The tokenizer.ggml.pre values implemented (a missing one is llama.cpp's default); others are refused."""
+    return sorted({p for p in _PRE_SPLITS if p} | set(_DIGIT_SPLIT_PRES))
+
+
 class TokenizerError(ValueError):
     pass
 
@@ -120,9 +125,8 @@ def _byte_level_bpe(spec: dict):
 
     pre = spec.get("pre")
     if pre not in _DIGIT_SPLIT_PRES and pre not in _PRE_SPLITS:
-        known = sorted(set(_DIGIT_SPLIT_PRES) | {p for p in _PRE_SPLITS if p})
-        raise TokenizerError(f"GGUF tokenizer.ggml.pre {pre!r} is not implemented (known: {known}); refusing "
-                             "rather than splitting text differently from how the model was trained")
+        raise TokenizerError(f"GGUF tokenizer.ggml.pre {pre!r} is not implemented (known: {gguf_pre_names()}); "
+                             "refusing rather than splitting text differently from how the model was trained")
     splits, ignore_merges = _PRE_SPLITS.get(pre, ((), False))
     vocab = {t: i for i, t in enumerate(spec["tokens"])}
     merges = [tuple(m.split(" ", 1)) for m in spec["merges"]]
