@@ -16,9 +16,9 @@ import pytest
 
 import zoo
 
-# mean teacher-forced KLD vs the FP32 engine. Measured on the zoo (this file, 2026-12-05): int8 2e-4..8e-4,
-# native 2e-4..1e-3, kv fp16 <1e-6, kv int8 1.6e-5..6e-5, kv fp8 4e-4..1.4e-3. A dropped bias, window or rope
-# scaling costs > 0.1 on these texts, two orders of magnitude above the gates.
+# mean teacher-forced KLD vs the FP32 engine (which is checked token-exact against transformers: an engine that drops
+# what the FP32 engine applies fails here). Measured on this zoo (builder v9, 2026-12-05): int8 2.1e-4..8.7e-4,
+# native 2.1e-4..9.5e-4, kv fp16 <= 2e-7, kv int8 1.0e-5..9.0e-5, kv fp8 2.5e-4..2.3e-3 (yarn the highest).
 GATES = {"decode_int8": 3e-3, "decode_int8_native": 3e-3, "kv:fp16": 1e-4, "kv:int8": 3e-4, "kv:fp8": 3e-3}
 N_NEW = 24
 

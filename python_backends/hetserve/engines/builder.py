@@ -8,7 +8,10 @@ GPU (when `tensorrt` imports and a CUDA device exists): prefill_fp16_trt, decode
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional, Tuple
@@ -76,10 +79,37 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
         log(f"engines up to date in {out} (compat {chash}); nothing to build")
         return old
 
+    # Built into a sibling temporary directory and moved in only when complete: a failure or Ctrl-C at any
+    # moment leaves the previous engines as they were and no partial files behind.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        from .quantize import library_logs_to
+
+        with library_logs_to(tmp / "build.log"):
+            manifest = _build_into(tmp, ckpt, key, chash, bool(use_trt), log, t0)
+        _install(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"done in {time.time() - t0:.1f}s -> {out} (compat {chash}; library logs in {out / 'build.log'})")
+    return manifest
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Move a finished build into `out`; the manifest goes first and comes back last, so an interrupted move reads
+    as "not built" (next build redoes it), never as a manifest vouching for files it did not write."""
+    (out / "manifest.json").unlink(missing_ok=True)
+    for f in sorted(tmp.iterdir()):
+        if f.name != "manifest.json":
+            os.replace(f, out / f.name)  # servers that have the old file open keep reading the old inode
+    os.replace(tmp / "manifest.json", out / "manifest.json")
+
+
+def _build_into(out: Path, ckpt, key: dict, chash: str, use_trt: bool, log, t0: float) -> dict:
     import onnx
 
     from .onnx_graph import build_graph
 
+    steps = 5
     log(f"[2/{steps}] exporting ONNX graph ({ckpt.config.num_layers} layers)  +{time.time() - t0:.1f}s")
     model = build_graph(ckpt)
     fp32 = out / "llm_fp32.onnx"
@@ -152,7 +182,6 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
     }
     write_manifest(out, manifest)
     _add_quality(out, manifest, log, t0)
-    log(f"done in {time.time() - t0:.1f}s -> {out} (compat {chash})")
     return manifest
 
 

@@ -12,6 +12,8 @@ were v_proj, down_proj and lm_head; `Int8Scheme.fine` gives those the finer bloc
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Tuple
@@ -36,6 +38,25 @@ class Int8Scheme:
 # layer{i}_qkv_t): held-in KLD 0.00287 = 0.69x llama.cpp Q8_0's 0.00416, step time within noise of block 32
 # symmetric at batch 1 and 16 (all-block-16 asymmetric: 0.00222 but +13%).
 INT8_SCHEME = Int8Scheme(block=32, symmetric=False, fine=("v_proj", "down_proj", "lm_head", "_qkv_t", "_down_t"))
+
+
+@contextlib.contextmanager
+def library_logs_to(path: Path):
+    """ONNX Runtime's quantizers log every MatMul at INFO (~5,500 lines for the default model; the module also
+    basicConfig()s the root logger at INFO on import): into `path` in the engine dir, not onto the console."""
+    lg = logging.getLogger("onnxruntime")
+    h = logging.FileHandler(path)
+    h.setFormatter(logging.Formatter("%(asctime)s %(name)s [%(levelname)s] %(message)s"))
+    propagate, level = lg.propagate, lg.level
+    lg.addHandler(h)
+    lg.propagate = False
+    lg.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        lg.removeHandler(h)
+        h.close()
+        lg.propagate, lg.level = propagate, level
 
 
 def _matmul_weights(model) -> dict:
