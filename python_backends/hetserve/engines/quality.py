@@ -15,6 +15,7 @@ Figures in the manifest use EVAL_TEXTS (held out); TUNE_TEXTS are for calibratio
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -142,6 +143,9 @@ def engine_quality(engine_dir: str, names: Sequence[str], kv_dtypes: Sequence[st
             continue
         res[n] = compare(ref, teacher_forced(eng, ids), tag).to_dict()
         log(f"  quality {n}: {_fmt(res[n])}")
+        if eng is not ref_eng:  # one session at a time: each held ~0.45 GiB at 135M (build peak 5.0 GiB)
+            del eng
+            gc.collect()
     return res
 
 
