@@ -113,8 +113,6 @@ def _build_into(out: Path, ckpt, key: dict, chash: str, use_trt: bool, log, t0: 
     log(f"[2/{steps}] exporting ONNX graph ({ckpt.config.num_layers} layers)  +{time.time() - t0:.1f}s")
     model = build_graph(ckpt)
     fp32 = out / "llm_fp32.onnx"
-    for stale in (fp32, out / "llm_fp32.onnx.data"):
-        stale.unlink(missing_ok=True)
     onnx.save_model(model, str(fp32), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="llm_fp32.onnx.data", size_threshold=1024)
     del model
@@ -128,8 +126,6 @@ def _build_into(out: Path, ckpt, key: dict, chash: str, use_trt: bool, log, t0: 
 
     log(f"[3/{steps}] exporting + quantizing the fused (GQA) decode graph  +{time.time() - t0:.1f}s")
     gqa32, gqa8 = out / "llm_gqa_fp32.onnx", out / "llm_gqa_int8.onnx"
-    for stale in (gqa32, out / "llm_gqa_fp32.onnx.data"):
-        stale.unlink(missing_ok=True)
     onnx.save_model(build_fused_graph(ckpt), str(gqa32), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="llm_gqa_fp32.onnx.data", size_threshold=1024)
     quantize_int8(gqa32, gqa8)

@@ -44,8 +44,8 @@ def load_engine(engine_dir: str, name: str, threads: Optional[int] = None) -> "E
 
     log = logging.getLogger("hetserve.engines")
     man = read_manifest(Path(engine_dir)) or {}
-    if name not in man.get("engines", {}) and resolve_engine(man, name):
-        fb = resolve_engine(man, name)
+    fb = resolve_engine(man, name)
+    if fb and fb != name:
         log.warning("engine %s was not built for this checkpoint (%s); loading %s instead", name,
                     man["unbuilt"][name].get("reason"), fb)
         return Engine(engine_dir, str(fb), threads=threads)
