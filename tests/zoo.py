@@ -146,25 +146,8 @@ def write_gguf(path: Path, hf_dir: Path, model, arch: str = "llama", qtypes: Opt
     w.add_vocab_size(cfg.vocab_size)
     for k, v in (extra_kv or {}).items():
         getattr(w, k)(v)
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    tokens = [None] * len(vocab)
-    for t, i in vocab.items():
-        tokens[i] = t
-    tokens += [f"[PAD{i}]" for i in range(cfg.vocab_size - len(tokens))]
-    w.add_tokenizer_model(tokenizer)
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    types = [1] * len(tokens)
-    for a in tok.get("added_tokens", []):
-        if a.get("special"):
-            types[a["id"]] = 3
-    w.add_token_types(types)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(eos_ids[0])
-    if len(eos_ids) > 1:
-        w.add_eot_token_id(eos_ids[1])
+    add_gguf_tokenizer(w, (hf_dir / "tokenizer.json").read_text(), cfg.vocab_size, tokenizer, cfg.bos_token_id,
+                       eos_ids)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     for name, a in (extra_tensors or {}).items():
@@ -209,6 +192,30 @@ def write_gguf(path: Path, hf_dir: Path, model, arch: str = "llama", qtypes: Opt
     w.write_tensors_to_file()
     w.close()
     return model
+
+
+def add_gguf_tokenizer(w, tok_json: str, vocab_size: int, model: str, bos_id: int, eos_ids, pre: str = "smollm"):
+    """Byte-level BPE tokenizer metadata from a tokenizer.json (ids past its vocabulary padded as [PADi], as
+    llama.cpp's converter pads a model vocabulary larger than the tokenizer's)."""
+    tok = json.loads(tok_json)
+    vocab = tok["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    tokens += [f"[PAD{i}]" for i in range(vocab_size - len(tokens))]
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    types = [1] * len(tokens)
+    for a in tok.get("added_tokens", []):
+        if a.get("special"):
+            types[a["id"]] = 3
+    w.add_token_types(types)
+    w.add_bos_token_id(bos_id)
+    w.add_eos_token_id(eos_ids[0])
+    if len(eos_ids) > 1:
+        w.add_eot_token_id(eos_ids[1])
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -7,7 +7,9 @@ GPU (when `tensorrt` imports and a CUDA device exists): prefill_fp16_trt, decode
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -18,22 +20,15 @@ from typing import Callable, Optional, Tuple
 
 from .. import config
 from ..model.checkpoint import load_checkpoint
+from .build_plan import BuildPlan, GiB, check_memory, mem_available, plan_build
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
-# 10: `unbuilt` engines with their fallback; 9: config semantics (rope types, biases, sliding windows, qwen2);
+# 11: graphs written tensor by tensor by codecs (onnx_weights.py), 16-bit exact prefill weights for large models,
+#     FP8 lm_head in float, the lm_head after an Identity (score views); 10: `unbuilt` engines with their fallback;
+# 9: config semantics (rope types, biases, sliding windows, qwen2);
 # 8: native uint8 block scales; 7: native quality on its fp16 KV cache; 6: native INT8 engine;
 # 5: INT8 scheme, QDQ, quality
-BUILDER_VERSION = 10
-INT8_BLOCK = 32
-
-
-def quantize_int8(src: Path, dst: Path, scheme=None) -> None:
-    """INT8 MatMulNBits decode graph (scheme and its measurements: engines/quantize.py, one place for both
-    the standard and the fused graph)."""
-    from .quantize import INT8_SCHEME
-    from .quantize import quantize_int8 as q8
-
-    q8(src, dst, scheme or INT8_SCHEME)
+BUILDER_VERSION = 11
 
 
 def _sha256(path: Path) -> str:
@@ -62,36 +57,65 @@ def gpu_available() -> bool:
 
 
 def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bool] = None,
-                  force: bool = False, log: Optional[Callable[[str], None]] = None) -> dict:
+                  force: bool = False, log: Optional[Callable[[str], None]] = None,
+                  prefill_weights: str = "auto") -> dict:
+    """prefill_weights: auto | fp32 | exact16 (build_plan.py). Raises build_plan.BuildRefused, before writing
+    anything, when the machine's available memory cannot hold the build."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    steps = 5
-    log(f"[1/{steps}] loading checkpoint {checkpoint or '(default SmolLM2-135M-Instruct GGUF)'}")
+    log(f"[1/{STEPS}] loading checkpoint {checkpoint or '(default SmolLM2-135M-Instruct GGUF)'}")
     ckpt = load_checkpoint(checkpoint)
     chash = compat_hash(ckpt.source_hash, ckpt.config)
     use_trt = gpu_available() if tensorrt is None else tensorrt
-    key = {"compat_hash": chash, "builder": BUILDER_VERSION, "tensorrt": bool(use_trt)}
+    plan = plan_build(ckpt, prefill_weights)
+    key = {"compat_hash": chash, "builder": BUILDER_VERSION, "tensorrt": bool(use_trt),
+           "prefill_exact16": plan.prefill_exact16}
     old = read_manifest(out)
     if not force and old and old.get("build_key") == key and "kv_quality" in old and all(
             (out / e["file"]).exists() for e in old["engines"].values()):
         log(f"engines up to date in {out} (compat {chash}); nothing to build")
         return old
 
+    log(f"  {plan.describe()}; available {mem_available() / GiB:.1f} GiB")
+    check_memory(plan)
     # Built into a sibling temporary directory and moved in only when complete: a failure or Ctrl-C at any
     # moment leaves the previous engines as they were and no partial files behind.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        from .quantize import library_logs_to
-
-        with library_logs_to(tmp / "build.log"):
-            manifest = _build_into(tmp, ckpt, key, chash, bool(use_trt), log, t0)
+        with build_log(tmp / "build.log") as file_log:
+            def both(msg: str) -> None:
+                log(msg)
+                file_log.info(msg)
+            manifest = _build_into(tmp, ckpt, plan, key, chash, bool(use_trt), both, t0)
         _install(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"done in {time.time() - t0:.1f}s -> {out} (compat {chash}; library logs in {out / 'build.log'})")
     return manifest
+
+
+@contextlib.contextmanager
+def build_log(path: Path):
+    """The build's full log in the engine dir: its own step lines (with times) and every library log (ONNX Runtime's
+    quantization module basicConfig()s the root logger at INFO on import), none of it on the console."""
+    h = logging.FileHandler(path)
+    h.setFormatter(logging.Formatter("%(asctime)s %(name)s [%(levelname)s] %(message)s"))
+    saved = []
+    for name in ("onnxruntime", "hetserve.build"):
+        lg = logging.getLogger(name)
+        saved.append((lg, lg.propagate, lg.level))
+        lg.addHandler(h)
+        lg.propagate = False
+        lg.setLevel(logging.INFO)
+    try:
+        yield logging.getLogger("hetserve.build")
+    finally:
+        for lg, propagate, level in saved:
+            lg.removeHandler(h)
+            lg.propagate, lg.level = propagate, level
+        h.close()
 
 
 def _install(tmp: Path, out: Path) -> None:
@@ -104,55 +128,76 @@ def _install(tmp: Path, out: Path) -> None:
     os.replace(tmp / "manifest.json", out / "manifest.json")
 
 
-def _build_into(out: Path, ckpt, key: dict, chash: str, use_trt: bool, log, t0: float) -> dict:
-    import onnx
+STEPS = 6
 
+
+def _bar(desc: str, total: int):
+    """A progress bar on an interactive terminal (nothing in logs and pipes): returns (update(n), close())."""
+    if not sys.stderr.isatty():
+        return (lambda n: None), (lambda: None)
+    from tqdm import tqdm
+
+    b = tqdm(total=total, desc=f"  {desc}", unit="layer", leave=False, file=sys.stderr)
+    return b.update, b.close
+
+
+def _write(log, t0, desc: str, build, ckpt, path: Path, codec) -> None:
+    log(f"  {desc} -> {path.name}  +{time.time() - t0:.1f}s")
+    update, close = _bar(desc, ckpt.config.num_layers)
+    try:
+        build(ckpt, path, codec, update)
+    finally:
+        close()
+
+
+def _build_into(out: Path, ckpt, plan: BuildPlan, key: dict, chash: str, use_trt: bool, log, t0: float) -> dict:
+    from .onnx_fused import build_fused_graph
     from .onnx_graph import build_graph
-
-    steps = 5
-    log(f"[2/{steps}] exporting ONNX graph ({ckpt.config.num_layers} layers)  +{time.time() - t0:.1f}s")
-    model = build_graph(ckpt)
-    fp32 = out / "llm_fp32.onnx"
-    onnx.save_model(model, str(fp32), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="llm_fp32.onnx.data", size_threshold=1024)
-    del model
+    from .onnx_weights import Exact16Codec, Float32Codec
     from .quantize import INT8_SCHEME
 
-    log(f"[3/{steps}] quantizing decode engine to INT8 weights ({INT8_SCHEME.describe()})  +{time.time() - t0:.1f}s")
-    int8 = out / "llm_int8.onnx"
-    quantize_int8(fp32, int8)
-    # the decode engines: the fused graph (GroupQueryAttention, in-place KV; engines/onnx_fused.py)
-    from .onnx_fused import build_fused_graph
+    log(f"[2/{STEPS}] prefill / reference graph (standard ONNX ops, {ckpt.config.num_layers} layers)  "
+        f"+{time.time() - t0:.1f}s")
+    ref_codec = Exact16Codec() if plan.prefill_exact16 else Float32Codec()
+    fp32 = out / "llm_fp32.onnx"
+    _write(log, t0, "fp32 compute, " + ("weights as stored in the checkpoint" if plan.prefill_exact16
+                                          else "fp32 weights"), build_graph, ckpt, fp32, ref_codec)
+    ref = {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32", "attention": "standard",
+           "weights": "fp32"}
+    if plan.prefill_exact16:  # fp32 math on the checkpoint's exact values
+        ref.update(weights=f"checkpoint values, exact ({ref_codec.describe()}), cast to fp32 per call",
+                   compact=True)
+    engines = {"prefill_fp32": ref, "decode_fp32_standard": dict(ref)}  # one graph, both roles
 
-    log(f"[3/{steps}] exporting + quantizing the fused (GQA) decode graph  +{time.time() - t0:.1f}s")
-    gqa32, gqa8 = out / "llm_gqa_fp32.onnx", out / "llm_gqa_int8.onnx"
-    onnx.save_model(build_fused_graph(ckpt), str(gqa32), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="llm_gqa_fp32.onnx.data", size_threshold=1024)
-    quantize_int8(gqa32, gqa8)
-    int8_info = {"precision": "int8", "weights": INT8_SCHEME.describe(),
+    log(f"[3/{STEPS}] INT8 decode graphs ({INT8_SCHEME.describe()})  +{time.time() - t0:.1f}s")
+    int8_info = {"backend": "onnxruntime", "precision": "int8", "weights": INT8_SCHEME.describe(),
                  "compute": "int8 (accuracy_level 4)"}
-    engines = {
-        "prefill_fp32": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32",
-                         "attention": "standard"},
-        "decode_fp32": {"file": gqa32.name, "backend": "onnxruntime", "precision": "fp32", "weights": "fp32",
-                        "attention": "gqa"},
-        "decode_int8": {"file": gqa8.name, "backend": "onnxruntime", "attention": "gqa", **int8_info},
-        # the standard-op decode graphs (what TensorRT builds from; A/B baseline for the fused graph)
-        "decode_fp32_standard": {"file": fp32.name, "backend": "onnxruntime", "precision": "fp32",
-                                 "weights": "fp32", "attention": "standard"},
-        "decode_int8_standard": {"file": int8.name, "backend": "onnxruntime", "attention": "standard", **int8_info},
-    }
-    engines.update(_build_qdq(ckpt, fp32, out, log, t0))
-    native, unbuilt = _build_native(ckpt, out, log, t0)
+    gqa8 = out / "llm_gqa_int8.onnx"
+    _write(log, t0, "fused (GroupQueryAttention) graph, INT8 weights", build_fused_graph, ckpt, gqa8,
+           INT8_SCHEME.codec())
+    engines["decode_int8"] = dict(int8_info, file=gqa8.name, attention="gqa")
+    if plan.baselines:  # A/B baselines: the fused graph in fp32, the standard-op graph in INT8
+        gqa32, int8 = out / "llm_gqa_fp32.onnx", out / "llm_int8.onnx"
+        _write(log, t0, "fused graph, fp32 weights", build_fused_graph, ckpt, gqa32, Float32Codec())
+        _write(log, t0, "standard-op graph, INT8 weights", build_graph, ckpt, int8, INT8_SCHEME.codec())
+        engines["decode_fp32"] = {"file": gqa32.name, "backend": "onnxruntime", "precision": "fp32",
+                                  "weights": "fp32", "attention": "gqa"}
+        engines["decode_int8_standard"] = dict(int8_info, file=int8.name, attention="standard")
+    unbuilt = dict(plan.unbuilt)
+
+    log(f"[4/{STEPS}] QDQ graphs for TensorRT + native INT8 engine  +{time.time() - t0:.1f}s")
+    engines.update(_build_qdq(ckpt, fp32, bool(ref.get("compact")), out, log, t0))
+    native, native_unbuilt = _build_native(ckpt, out, log, t0)
     engines.update(native)
+    unbuilt.update(native_unbuilt)
     if use_trt:  # pragma: no cover - needs a GPU
         from .trt_builder import build_trt_engines
 
-        log(f"[4/{steps}] building TensorRT engines  +{time.time() - t0:.1f}s")
+        log(f"[5/{STEPS}] building TensorRT engines  +{time.time() - t0:.1f}s")
         engines.update(build_trt_engines(fp32, out, ckpt.config, log))
     else:
-        log(f"[4/{steps}] TensorRT engines skipped (no GPU/tensorrt)")
-    log(f"[5/{steps}] tokenizer + manifest  +{time.time() - t0:.1f}s")
+        log(f"[5/{STEPS}] TensorRT engines skipped (no GPU/tensorrt)")
+    log(f"[6/{STEPS}] tokenizer, manifest, quality gate  +{time.time() - t0:.1f}s")
     from ..tokenizer import Tokenizer
 
     Tokenizer(ckpt.tokenizer_spec, ckpt.chat_template)._tok.save(str(out / "tokenizer.json"))
@@ -172,7 +217,7 @@ def _build_into(out: Path, ckpt, key: dict, chash: str, use_trt: bool, log, t0: 
                       "add_bos": ckpt.tokenizer_spec.get("add_bos", False)},
         "chat_template": ckpt.chat_template,
         "engines": engines,
-        "unbuilt": unbuilt,  # {name: {reason, fallback}}: engines this checkpoint cannot have (runtime.load_engine)
+        "unbuilt": unbuilt,  # {name: {reason, fallback}}: engines this build does not have (runtime.load_engine)
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build_seconds": round(time.time() - t0, 1),
     }
@@ -181,21 +226,33 @@ def _build_into(out: Path, ckpt, key: dict, chash: str, use_trt: bool, log, t0: 
     return manifest
 
 
-def _build_qdq(ckpt, fp32: Path, out: Path, log, t0) -> dict:
+# FP8 E4M3 keeps 3 mantissa bits: its weight rounding alone (weight-only, per channel) costs KLD 0.030 on SmolLM2-135M
+# (INT8 blocks: 0.0027). Measured variants (held-out texts, 600 tokens): W8A8 everything 0.051; W8A8 with lm_head in
+# float 0.029 (ModelOpt's default FP8 recipe also leaves lm_head unquantized); + down_proj 0.022; + v_proj 0.022;
+# per-token dynamic activation scales 0.046 (no gain over per tensor); weight-only with lm_head in float 0.015 (but
+# no FP8 GEMM on Hopper). Chosen: W8A8 with lm_head in float.
+FP8_KEEP = ("lm_head",)
+
+
+def _build_qdq(ckpt, ref_graph: Path, ref_compact: bool, out: Path, log, t0) -> dict:
     """QDQ INT8 / FP8 decode graphs of the standard-op graph (what TensorRT builds; ONNX Runtime runs them)."""
     from ..tokenizer import Tokenizer
+    from .onnx_graph import build_graph
+    from .onnx_weights import QdqCodec
     from .quality_texts import TUNE_TEXTS
-    from .quantize import calibrate_matmul_inputs, quantize_qdq
+    from .quantize import calibrate_matmul_inputs
 
-    log(f"  QDQ INT8 (weight-only, per channel) + FP8 E4M3 (calibrated on held-in texts)  +{time.time() - t0:.1f}s")
-    amax = calibrate_matmul_inputs(fp32, Tokenizer(ckpt.tokenizer_spec, ckpt.chat_template), TUNE_TEXTS)
+    amax = calibrate_matmul_inputs(ref_graph, ref_compact, Tokenizer(ckpt.tokenizer_spec, ckpt.chat_template),
+                                   TUNE_TEXTS)
     res = {}
     for kind, weights in (("int8", "int8-symmetric-per-channel, weight-only (W8A32/A16)"),
-                          ("fp8", "fp8-e4m3-per-channel, activations fp8-e4m3 per tensor (W8A8)")):
+                          ("fp8", "fp8-e4m3-per-channel, activations fp8-e4m3 per tensor (W8A8); lm_head in float")):
         f = out / f"llm_{kind}_qdq.onnx"
-        quantize_qdq(fp32, f, kind, amax)
+        _write(log, t0, f"standard-op graph, QDQ {kind.upper()}", build_graph, ckpt, f,
+               QdqCodec(kind, amax, keep=FP8_KEEP if kind == "fp8" else ()))
         res[f"decode_{kind}_qdq"] = {"file": f.name, "backend": "onnxruntime", "precision": f"{kind}_qdq",
-                                     "weights": weights, "attention": "standard", "format": "qdq"}
+                                     "weights": weights, "attention": "standard", "format": "qdq",
+                                     "compact": True}
     return res
 
 

@@ -23,13 +23,17 @@ K is stored after RoPE (HF rotate_half), the same meaning as the standard graph'
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable, Optional
+
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from ..model import rope
 from ..model.checkpoint import Checkpoint
 from .onnx_graph import _G, OPSET
+from .onnx_weights import ExternalData, Float32Codec, WeightCodec, save_graph
 
 MS = "com.microsoft"
 
@@ -42,22 +46,27 @@ def present_names(num_layers: int):
     return [f"present_key_{i}" for i in range(num_layers)], [f"present_value_{i}" for i in range(num_layers)]
 
 
-def build_fused_graph(ckpt: Checkpoint) -> onnx.ModelProto:
+def build_fused_graph(ckpt: Checkpoint, path: Path, codec: Optional[WeightCodec] = None,
+                      progress: Optional[Callable[[int], None]] = None) -> None:
+    """Write the fused graph to `path` (+ `path`.data), MatMul weights as `codec` says (default fp32)."""
+    codec = codec or Float32Codec()
+    with ExternalData(path) as data:
+        model = _fused_graph(ckpt, _G(data, codec.opset), codec, progress or (lambda n: None))
+    save_graph(model, path)
+
+
+def _fused_graph(ckpt: Checkpoint, g: _G, codec: WeightCodec, progress) -> onnx.ModelProto:
     c = ckpt.config
     W = ckpt.weights
     L, H, KVH, D, C = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
-    g = _G()
     eps = float(c.rms_norm_eps)
 
     def init(arr, name):
-        g.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float32), name))
-        return name
-
-    def fused_t(names, out):  # MatMul(x, concat(W_i)^T): one weight [in, sum(out_i)]
-        return init(np.concatenate([W[n] for n in names], axis=0).T, out)
+        return g.weight(np.asarray(arr, dtype=np.float32), name)
 
     def linear(x, names, bias, out):  # x concat(W_i)^T (+ concat(b_i) when the config has these biases)
-        y = g.op("MatMul", [x, fused_t([n + ".weight" for n in names], out)])
+        w = W[names[0] + ".weight"] if len(names) == 1 else np.concatenate([W[n + ".weight"] for n in names])
+        y = codec.matmul(g, x, w, out)
         if bias:
             y = g.op("Add", [y, init(np.concatenate([W[n + ".bias"] for n in names]), out + "_bias")])
         return y
@@ -67,8 +76,7 @@ def build_fused_graph(ckpt: Checkpoint) -> onnx.ModelProto:
 
     cos, sin = rope.tables(c.rope, D, c.max_position)
     cos_n, sin_n = init(cos, "cos_cache"), init(sin, "sin_cache")
-    emb = init(W["model.embed_tokens.weight"], "model_embed_tokens_weight")
-    h = g.op("Gather", [emb, "input_ids"], axis=0)  # [B,T,C]
+    h = codec.table(g, W["model.embed_tokens.weight"], "model_embed_tokens_weight", "input_ids")  # [B,T,C]
     pk, pv = past_names(L)
     ok, ov = present_names(L)
 
@@ -101,6 +109,7 @@ def build_fused_graph(ckpt: Checkpoint) -> onnx.ModelProto:
         down = linear(act, [m + "down_proj"], c.mlp_bias, f"layer{li}_down_t")
         nxt = f"model.layers.{li + 1}.input_layernorm.weight" if li + 1 < L else "model.norm.weight"
         x, h = skip_norm(down, h, nxt)
+        progress(1)
 
     i64 = lambda v: g.const(np.array(v, dtype=np.int64), "i64")  # noqa: E731
     shape_ids = g.op("Shape", ["input_ids"])
@@ -110,8 +119,8 @@ def build_fused_graph(ckpt: Checkpoint) -> onnx.ModelProto:
     rows = g.op("Add", [g.op("Mul", [g.op("Range", [i64(0), B, i64(1)]), T]), "last_index"])
     last = g.op("Gather", [flat, rows], axis=0)  # [B,C]
     lm = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-    init(W[lm].T, "lm_head_t")
-    g.nodes.append(helper.make_node("MatMul", [last, "lm_head_t"], ["logits"], name="n_lm_head"))
+    g.nodes.append(helper.make_node("Identity", [codec.matmul(g, last, W[lm], "lm_head_t")],
+                                    ["logits"], name="n_lm_head"))
 
     F = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),

@@ -21,21 +21,31 @@ Batch-major KV ([B, ...]) lets the decode batcher keep one buffer whose first n 
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable, List, Optional
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..model import rope as rope_mod
 from ..model.checkpoint import Checkpoint
+from .onnx_weights import ExternalData, Float32Codec, WeightCodec, save_graph
 
 OPSET = 17
 INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "past_key", "past_value", "last_index")
 OUTPUT_NAMES = ("logits", "present_key", "present_value")
+LAST_ROWS_NODE = "n_last_rows"  # Gather(flat hidden [B*T, C], rows [B]): the rows whose logits are computed
 
 
 class _G:
-    def __init__(self):
-        self.nodes, self.inits, self._n = [], [], 0
+    """Nodes + initializers of a graph being built; weights go straight to `data` (onnx_weights.ExternalData)."""
+
+    def __init__(self, data: Optional[ExternalData] = None, opset: int = OPSET):
+        self.nodes: List[onnx.NodeProto] = []
+        self.inits: List[TensorProto] = []
+        self._n = 0
+        self.data, self.opset = data, opset
 
     def name(self, base):
         self._n += 1
@@ -46,40 +56,61 @@ class _G:
         self.inits.append(numpy_helper.from_array(np.asarray(arr), n))
         return n
 
+    def add_init(self, t: TensorProto) -> str:
+        self.inits.append(t)
+        return t.name
+
+    def weight(self, arr: np.ndarray, name: str) -> str:
+        """A weight initializer (float32 unless given narrower), written to the external data file."""
+        arr = np.asarray(arr)
+        if arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        if self.data is None:
+            return self.add_init(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return self.add_init(self.data.array(name, arr))
+
+    def reduce_mean(self, x: str, axes) -> str:  # axes: an attribute before opset 18, an input from 18 on
+        if self.opset >= 18:
+            return self.op("ReduceMean", [x, self.const(np.array(axes, np.int64), "axes")], keepdims=1)
+        return self.op("ReduceMean", [x], axes=list(axes), keepdims=1)
+
     def op(self, op_type, inputs, base=None, n_out=1, **attrs):
         outs = [self.name(base or op_type) for _ in range(n_out)]
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name("n_" + op_type), **attrs))
         return outs[0] if n_out == 1 else outs
 
 
-def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
+def build_graph(ckpt: Checkpoint, path: Path, codec: Optional[WeightCodec] = None,
+                progress: Optional[Callable[[int], None]] = None) -> None:
+    """Write the standard-op graph to `path` (+ `path`.data), weights as `codec` says (default fp32);
+    `progress(1)` after each layer."""
+    codec = codec or Float32Codec()
+    with ExternalData(path) as data:
+        model = _standard_graph(ckpt, _G(data, codec.opset), codec, progress or (lambda n: None))
+    save_graph(model, path)
+
+
+def _standard_graph(ckpt: Checkpoint, g: "_G", codec: WeightCodec, progress) -> onnx.ModelProto:
     c = ckpt.config
     W = ckpt.weights
     L, H, KVH, D, C = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
     G = H // KVH
-    g = _G()
     i64 = lambda v: g.const(np.array(v, dtype=np.int64), "i64")  # noqa: E731
     f32 = lambda v: g.const(np.array(v, dtype=np.float32), "f32")  # noqa: E731
 
-    def weight_t(name):  # MatMul(x, W^T) with W stored [out, in]
-        n = name.replace(".", "_")
-        g.inits.append(numpy_helper.from_array(np.ascontiguousarray(W[name].T), n))
-        return n
-
-    def linear(x, wname, bias):  # x W^T (+ b when the config has this bias)
-        y = g.op("MatMul", [x, weight_t(wname + ".weight")])
+    def linear(x, wname, bias):  # x W^T (+ b when the config has this bias); W stored [out, in]
+        w = wname + ".weight"
+        y = codec.matmul(g, x, W[w], w.replace(".", "_"))
         return g.op("Add", [y, name_init(wname + ".bias")]) if bias else y
 
     def rmsnorm(x, wname):
         wn = name_init(wname)
-        var = g.op("ReduceMean", [g.op("Mul", [x, x])], axes=[-1], keepdims=1)
+        var = g.reduce_mean(g.op("Mul", [x, x]), [-1])
         inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [var, eps])])])
         return g.op("Mul", [g.op("Mul", [x, inv]), wn])
 
     def name_init(wname):
-        n = wname.replace(".", "_")
-        g.inits.append(numpy_helper.from_array(W[wname].astype(np.float32), n))
-        return n
+        return g.weight(W[wname].astype(np.float32), wname.replace(".", "_"))
 
     eps = f32(c.rms_norm_eps)
     shape_ids = g.op("Shape", ["input_ids"])
@@ -87,8 +118,7 @@ def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
     T = g.op("Gather", [shape_ids, i64(1)], axis=0)
     B1, T1 = g.op("Unsqueeze", [B, i64([0])]), g.op("Unsqueeze", [T, i64([0])])
 
-    emb = name_init("model.embed_tokens.weight")
-    h = g.op("Gather", [emb, "input_ids"], axis=0)  # [B,T,C]
+    h = codec.table(g, W["model.embed_tokens.weight"], "model_embed_tokens_weight", "input_ids")  # [B,T,C]
 
     # RoPE tables from explicit positions (HF rotate_half convention; frequencies per model/rope.py)
     inv_freq, att = rope_mod.inv_freq(c.rope, D)
@@ -153,14 +183,16 @@ def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
         up = linear(x, p + "mlp.up_proj", c.mlp_bias)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         h = g.op("Add", [h, linear(act, p + "mlp.down_proj", c.mlp_bias)])
+        progress(1)
 
     h = rmsnorm(h, "model.norm.weight")
     flat = g.op("Reshape", [h, i64([-1, C])])
     rows = g.op("Add", [g.op("Mul", [g.op("Range", [i64(0), B, i64(1)]), T]), "last_index"])
-    last = g.op("Gather", [flat, rows], axis=0)  # [B,C]
+    last = "last_hidden"  # [B,C]; runtime.score_view gathers other rows (every scored position) here
+    g.nodes.append(helper.make_node("Gather", [flat, rows], [last], axis=0, name=LAST_ROWS_NODE))
     lm = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-    g.inits.append(numpy_helper.from_array(np.ascontiguousarray(W[lm].T), "lm_head_t"))
-    g.nodes.append(helper.make_node("MatMul", [last, "lm_head_t"], ["logits"], name="n_lm_head"))
+    g.nodes.append(helper.make_node("Identity", [codec.matmul(g, last, W[lm], "lm_head_t")],
+                                    ["logits"], name="n_lm_head"))
     g.nodes.append(helper.make_node("Concat", pres_k, ["present_key"], axis=1, name="n_present_key"))
     g.nodes.append(helper.make_node("Concat", pres_v, ["present_value"], axis=1, name="n_present_value"))
 
@@ -179,6 +211,7 @@ def build_graph(ckpt: Checkpoint) -> onnx.ModelProto:
         helper.make_tensor_value_info("present_value", F, ["B", L, KVH, "T", D]),
     ]
     graph = helper.make_graph(g.nodes, "hetserve_llama", inputs, outputs, initializer=g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="hetserve")
-    model.ir_version = 8
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", g.opset)] + [
+        helper.make_opsetid(d, 1) for d in codec.domains], producer_name="hetserve")
+    model.ir_version = 8 if g.opset < 19 else 9
     return model

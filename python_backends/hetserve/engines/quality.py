@@ -33,7 +33,7 @@ REFERENCE = "prefill_fp32"  # the standard-op FP32 graph, present in every build
 # them. Chosen from measured values with headroom, so a regression (wrong scale scheme, a graph bug) fails.
 BOUNDS = {
     "fp32": 1e-6, "kv:fp32": 1e-6, "kv:fp16": 1e-4, "kv:int8": 3e-4,
-    "kv:fp8": 2e-3, "int8": 0.003, "int8_qdq": 0.01, "fp8_qdq": 0.06,
+    "kv:fp8": 2e-3, "int8": 0.003, "int8_qdq": 0.01, "fp8_qdq": 0.04,
 }
 
 
@@ -63,13 +63,18 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def compare(ref_logits: np.ndarray, logits: np.ndarray, texts: str) -> Quality:
-    """ref_logits, logits: [..., V] for the same scored positions."""
-    lp = _log_softmax(ref_logits.reshape(-1, ref_logits.shape[-1]))
-    lq = _log_softmax(logits.reshape(-1, logits.shape[-1]))
-    kld = np.maximum((np.exp(lp) * (lp - lq)).sum(axis=-1), 0.0)
-    same = (lp.argmax(-1) == lq.argmax(-1)).mean() * 100
-    return Quality(float(kld.mean()), float(np.percentile(kld, 99)), float(same), int(kld.size), texts)
+def compare(ref_logits: np.ndarray, logits: np.ndarray, texts: str, chunk: int = 64) -> Quality:
+    """ref_logits, logits: [..., V] for the same scored positions (in row chunks: float64 of a 128k vocabulary
+    is 1 MiB a position)."""
+    rp = ref_logits.reshape(-1, ref_logits.shape[-1])
+    rq = logits.reshape(-1, logits.shape[-1])
+    kld, same = [], []
+    for i in range(0, rp.shape[0], chunk):
+        lp, lq = _log_softmax(rp[i:i + chunk]), _log_softmax(rq[i:i + chunk])
+        kld.append(np.maximum((np.exp(lp) * (lp - lq)).sum(axis=-1), 0.0))
+        same.append(lp.argmax(-1) == lq.argmax(-1))
+    k, sm = np.concatenate(kld), np.concatenate(same)
+    return Quality(float(k.mean()), float(np.percentile(k, 99)), float(sm.mean() * 100), int(k.size), texts)
 
 
 def _step_inputs(ids_col: np.ndarray, pos: int, past: int):
@@ -86,18 +91,22 @@ def teacher_forced(decode_engine, ids: np.ndarray, prefill_engine=None,
     """Logits [N, T-ctx, V] predicting tokens ctx..T-1 of every row of ids [N, T] (batched over rows).
 
     prefill_engine (default: decode_engine) runs the context in one call; kv_roundtrip(k, v) -> (k, v) is applied
-    per sequence to its context KV ([L, KVH, ctx, D]) before decoding, as the KV handoff would.
+    per sequence to its context KV ([L, KVH, ctx, D]) before decoding, as the KV handoff would. A decode engine
+    opened as a score view (standard-op graph, fp32 KV; open_for_scoring) scores every position in one call: the
+    same computation as one step per token (no KV of the scored tokens is quantized on either path).
     """
     from .runtime import causal_mask
 
     pre = prefill_engine or decode_engine
     N, T = ids.shape
+    if _scores(decode_engine) and pre is decode_engine and kv_roundtrip is None:
+        return whole_text(decode_engine, ids, ctx)[0]
     lo, k, v = pre.forward(ids[:, :ctx], np.tile(np.arange(ctx), (N, 1)), causal_mask([0] * N, [ctx] * N, 0, ctx),
                            pre.empty_past(N), pre.empty_past(N), np.full(N, ctx - 1))
     if kv_roundtrip is not None:
-        pairs = [kv_roundtrip(k[i], v[i]) for i in range(N)]
-        k = np.stack([p[0] for p in pairs])
-        v = np.stack([p[1] for p in pairs])
+        k, v = _roundtrip(kv_roundtrip, k, v)
+    if _scores(decode_engine):
+        return np.concatenate([lo[:, None], scored_after(decode_engine, ids, ctx, k, v)], axis=1)
     out = [lo]
     for t in range(ctx, T - 1):
         x, pos, mask, last = _step_inputs(ids[:, t], t, t)
@@ -105,6 +114,41 @@ def teacher_forced(decode_engine, ids: np.ndarray, prefill_engine=None,
         k, v = np.concatenate([k, nk], axis=3), np.concatenate([v, nv], axis=3)
         out.append(lo)
     return np.stack(out, axis=1)
+
+
+def _scores(engine) -> bool:
+    return bool(getattr(engine, "_score_view", False))
+
+
+def _roundtrip(rt, k: np.ndarray, v: np.ndarray):
+    pairs = [rt(k[i], v[i]) for i in range(k.shape[0])]
+    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+
+def whole_text(engine, ids: np.ndarray, ctx: int = CTX):
+    """Score view, one call over ids[:, :T-1]: (logits [N, T-ctx, V] at positions ctx-1..T-2, and the context's
+    K/V [N, L, KVH, ctx, D], what a prefill of the context alone returns: attention is causal)."""
+    from .runtime import causal_mask
+
+    N, T = ids.shape
+    n = T - 1
+    rows = (np.arange(N)[:, None] * n + np.arange(ctx - 1, n)[None, :]).ravel()
+    lo, k, v = engine.score(ids[:, :n], np.tile(np.arange(n), (N, 1)), causal_mask([0] * N, [n] * N, 0, n),
+                            engine.empty_past(N), engine.empty_past(N), rows)
+    ctx_kv = (np.ascontiguousarray(k[:, :, :, :ctx]), np.ascontiguousarray(v[:, :, :, :ctx]))
+    return lo.reshape(N, n - ctx + 1, -1), *ctx_kv
+
+
+def scored_after(engine, ids: np.ndarray, ctx: int, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Score view: logits [N, T-1-ctx, V] at positions ctx..T-2, the tokens ids[:, ctx:T-1] in one call after the
+    context's K/V (k, v)."""
+    from .runtime import causal_mask
+
+    N, T = ids.shape
+    S = T - 1 - ctx
+    lo, _, _ = engine.score(ids[:, ctx:T - 1], np.tile(np.arange(ctx, T - 1), (N, 1)),
+                            causal_mask([ctx] * N, [S] * N, ctx, S), k, v, np.arange(N * S))
+    return lo.reshape(N, S, -1)
 
 
 def wire_roundtrip(dtype: str, compat_hash: str = "quality"):
@@ -121,32 +165,55 @@ def engine_quality(engine_dir: str, names: Sequence[str], kv_dtypes: Sequence[st
                    log: Optional[Callable[[str], None]] = None) -> Dict[str, dict]:
     """{engine name | "kv:<dtype>": Quality dict} vs decode_fp32 on `texts` (the build calls this)."""
     from .builder import load_tokenizer
-    from .runtime import Engine
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     ids = token_matrix(load_tokenizer(engine_dir), texts)
     tag = f"{set_name}/{TEXTS_VERSION}"
-    ref_eng = Engine(engine_dir, REFERENCE, threads=threads)
-    ref = teacher_forced(ref_eng, ids)
+    ref_eng = open_for_scoring(engine_dir, REFERENCE, threads)
+    if _scores(ref_eng):  # one call for the reference, one per KV dtype (their context is the reference's)
+        ref, k_ctx, v_ctx = whole_text(ref_eng, ids)
+    else:
+        ref = teacher_forced(ref_eng, ids)
     res = {}
     for dt in kv_dtypes:
-        res[f"kv:{dt}"] = compare(ref, teacher_forced(ref_eng, ids, kv_roundtrip=wire_roundtrip(dt)), tag).to_dict()
+        if _scores(ref_eng):
+            k, v = _roundtrip(wire_roundtrip(dt), k_ctx, v_ctx)
+            got = np.concatenate([ref[:, :1], scored_after(ref_eng, ids, CTX, k, v)], axis=1)
+        else:
+            got = teacher_forced(ref_eng, ids, kv_roundtrip=wire_roundtrip(dt))
+        res[f"kv:{dt}"] = compare(ref, got, tag).to_dict()
         log(f"  quality kv:{dt}: {_fmt(res[f'kv:{dt}'])}")
+    if REFERENCE in names:
+        res[REFERENCE] = compare(ref, ref, tag).to_dict()
+    del ref_eng  # one engine in memory at a time (at 1B the reference alone maps 2.3 GiB)
+    gc.collect()
     from .native import NativeUnavailable
 
     for n in names:
+        if n == REFERENCE:
+            continue
         try:
-            eng = ref_eng if n == REFERENCE else Engine(engine_dir, n, threads=threads)
+            eng = open_for_scoring(engine_dir, n, threads)
         except NativeUnavailable as e:  # packed, but this machine cannot run it: say so, measure the rest
             res[n] = {"unavailable": str(e)}
             log(f"  quality {n}: not measured here ({e})")
             continue
         res[n] = compare(ref, teacher_forced(eng, ids), tag).to_dict()
         log(f"  quality {n}: {_fmt(res[n])}")
-        if eng is not ref_eng:  # one session at a time: each held ~0.45 GiB at 135M (build peak 5.0 GiB)
-            del eng
-            gc.collect()
+        del eng
+        gc.collect()
     return res
+
+
+def open_for_scoring(engine_dir: str, name: str, threads: int = 0):
+    """The engine, as a score view when it is a standard-op ONNX Runtime graph (teacher forcing in one call)."""
+    from .manifest import read_manifest, resolve_engine
+    from .runtime import Engine
+
+    man = read_manifest(engine_dir) or {}
+    info = man.get("engines", {}).get(resolve_engine(man, name) or name, {})
+    view = info.get("backend") == "onnxruntime" and info.get("attention", "standard") == "standard"
+    return Engine(engine_dir, name, threads=threads, score_view=view)
 
 
 def _fmt(q: dict) -> str:

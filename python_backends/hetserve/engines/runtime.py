@@ -14,8 +14,9 @@ decode_batch.py).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,6 +35,58 @@ DISABLED_OPTIMIZERS = ("GatherSliceToSplitFusion",)
 
 class EngineError(RuntimeError):
     pass
+
+
+def open_session(path: Path, threads: int, compact: bool = False, profile: Optional[str] = None,
+                 edit: Optional[Callable] = None):
+    """An ONNX Runtime session on the graph at `path`. compact (graphs whose weights are stored narrower than
+    they are used: onnx_weights.py): constant folding off, so ONNX Runtime does not materialise the fp32 weights
+    at load, and no CPU arena, so each MatMul's dequantized weight is freed after use instead of cached.
+    edit(model): changes the graph (never its weights) before loading; the edited graph is written beside the
+    original only while the session is created, so its external data resolves the same way."""
+    import onnxruntime as ort
+
+    from .trt_runtime import ort_providers  # CUDA EP when HETSERVE_ORT_DEVICE=cuda[:N] (onnxruntime-gpu)
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile
+    disabled = list(DISABLED_OPTIMIZERS)
+    if compact:
+        disabled.append("ConstantFolding")
+        so.enable_cpu_mem_arena = False
+    if edit is None:
+        return ort.InferenceSession(str(path), so, providers=ort_providers(), disabled_optimizers=disabled)
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    edit(model)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{id(model)}.onnx")
+    try:
+        tmp.write_bytes(model.SerializeToString())
+        return ort.InferenceSession(str(tmp), so, providers=ort_providers(), disabled_optimizers=disabled)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def score_view_edit(model) -> None:
+    """The standard-op graph with the rows whose logits are computed taken from a new input `score_rows` [N]
+    (flat b * T + t) instead of one last position per row (onnx_graph.LAST_ROWS_NODE)."""
+    from onnx import TensorProto, helper
+
+    from .onnx_graph import LAST_ROWS_NODE
+
+    node = next((n for n in model.graph.node if n.name == LAST_ROWS_NODE), None)
+    if node is None:
+        raise EngineError(f"graph has no {LAST_ROWS_NODE} node (rebuild the engines)")
+    node.input[1] = "score_rows"
+    model.graph.input.append(helper.make_tensor_value_info("score_rows", TensorProto.INT64, ["N"]))
+    logits = next(o for o in model.graph.output if o.name == "logits")
+    logits.type.tensor_type.shape.dim[0].dim_param = "N"
 
 
 def load_engine(engine_dir: str, name: str, threads: Optional[int] = None) -> "Engine":
@@ -79,7 +132,9 @@ def causal_mask(past_lens: Sequence[int], new_lens: Sequence[int], P: int, T: in
 class Engine:
     """A built engine (see builder.py): `forward` returns (logits[B,V], new_k[B,L,KVH,T,D], new_v)."""
 
-    def __init__(self, engine_dir: str, name: str, threads: Optional[int] = None):
+    def __init__(self, engine_dir: str, name: str, threads: Optional[int] = None, score_view: bool = False):
+        """score_view: logits of any rows of the flattened [B*T] positions (`score`), for teacher-forced quality
+        measurement in one call instead of one call per token (standard-op graphs only)."""
         self.dir = Path(engine_dir)
         man = read_manifest(self.dir)
         if man is None:
@@ -95,21 +150,14 @@ class Engine:
         self.attention = self.info.get("attention", "standard")
         backend = self.info["backend"]
         if backend == "onnxruntime":
-            import onnxruntime as ort
-
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = int(threads or config.get("HETSERVE_THREADS"))
-            so.inter_op_num_threads = 1
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             prof = config.get("HETSERVE_ORT_PROFILE")  # per-op timings (JSON trace) for loadtest/README
-            if prof:
-                so.enable_profiling = True
-                so.profile_file_prefix = f"{prof}_{name}"
-            from .trt_runtime import ort_providers  # CUDA EP when HETSERVE_ORT_DEVICE=cuda[:N] (onnxruntime-gpu)
-
-            providers = ort_providers()
-            self._sess = ort.InferenceSession(str(self.dir / self.info["file"]), so, providers=providers,
-                                              disabled_optimizers=list(DISABLED_OPTIMIZERS))
+            if score_view and self.attention != "standard":
+                raise EngineError(f"engine {name!r}: a score view needs the standard-op graph")
+            self._score_view = score_view
+            self._sess = open_session(self.dir / self.info["file"], int(threads or config.get("HETSERVE_THREADS")),
+                                      compact=bool(self.info.get("compact")),
+                                      profile=f"{prof}_{name}" if prof else None,
+                                      edit=score_view_edit if score_view else None)
             self._run = self._run_ort
         elif backend == "native":  # engines/native.py: INT8 C engine over per-sequence KV buffers
             from .native import NativeModel
@@ -129,8 +177,23 @@ class Engine:
         self.prefill([4], k, v)
 
     def _run_ort(self, feeds: dict) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._score_view and "score_rows" not in feeds:
+            B, T = feeds["input_ids"].shape
+            feeds["score_rows"] = np.arange(B, dtype=np.int64) * T + feeds["last_index"]
         lo, k, v = self._sess.run(None, feeds)
         return lo, k, v
+
+    def score(self, input_ids, position_ids, attention_mask, past_key, past_value, rows: np.ndarray):
+        """Like `forward`, with the logits of flat positions `rows` (b * T + t) instead of one per row."""
+        if not getattr(self, "_score_view", False):
+            raise EngineError(f"engine {self.name!r} was not opened with score_view=True")
+        feeds = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+                 "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
+                 "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.float32),
+                 "past_key": np.ascontiguousarray(past_key, dtype=np.float32),
+                 "past_value": np.ascontiguousarray(past_value, dtype=np.float32),
+                 "last_index": np.zeros(len(input_ids), np.int64), "score_rows": np.asarray(rows, np.int64)}
+        return self._run(feeds)
 
     def empty_past(self, batch: int) -> np.ndarray:
         c = self.config

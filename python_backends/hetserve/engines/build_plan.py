@@ -1,0 +1,94 @@
+"""What a build makes for a checkpoint of a given size, and how much memory it needs (checked before it starts).
+
+Small models (FP32 weights <= LARGE_FP32_BYTES) get every engine, the A/B baselines included. Larger ones get the
+engines a deployment serves: the FP32 prefill/reference graph with the checkpoint's own 16-bit values when they are
+16-bit (exact: the same math as FP32 weights, half the memory; onnx_weights.Exact16Codec), the INT8 decode graph,
+the native INT8 engine, and the QDQ graphs TensorRT builds from. The fp32 fused decode graph and the INT8
+standard-op graph (each one more full copy of the weights, only used for A/B runs) are recorded as `unbuilt`
+with the engine served in their place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from ..model.checkpoint import Checkpoint, expected_tensors
+
+GiB = 1 << 30
+# Above this the FP32 graph would not leave room for the rest of a build on a 24 GiB development box with a
+# decode server beside it (a Llama-3.2-1B shape is 4.6 GiB of FP32 weights; SmolLM2-135M 0.5 GiB).
+LARGE_FP32_BYTES = 2 * GiB
+PREFILL_WEIGHTS = ("auto", "fp32", "exact16")
+
+# A/B engines left out of large builds, with the engine that serves in their place (runtime.load_engine)
+BASELINE_FALLBACKS = {"decode_fp32": "decode_fp32_standard", "decode_int8_standard": "decode_int8"}
+
+
+class BuildRefused(RuntimeError):
+    """The machine cannot hold this build (raised before anything is written)."""
+
+
+@dataclass
+class BuildPlan:
+    params: int
+    largest: int  # elements of the largest tensor
+    prefill_exact16: bool
+    baselines: bool
+    unbuilt: Dict[str, dict] = field(default_factory=dict)
+
+    def estimate_bytes(self) -> int:
+        """Peak resident memory of the build: interpreter + libraries, the reference graph's weights mapped while
+        it calibrates and gates (stored 2 or 4 bytes a weight), and one tensor in float32 with its transpose
+        and converted copy (the largest: the embedding / LM head)."""
+        ref = self.params * (2 if self.prefill_exact16 else 4)
+        return int(0.8 * GiB) + ref + 3 * 4 * self.largest
+
+    def describe(self) -> str:
+        return (f"{self.params / 1e9:.2f}B parameters; prefill/reference weights "
+                f"{'16-bit (exact checkpoint values)' if self.prefill_exact16 else 'fp32'}; "
+                f"A/B baselines {'built' if self.baselines else 'skipped'}; "
+                f"estimated peak memory {self.estimate_bytes() / GiB:.1f} GiB")
+
+
+def plan_build(ckpt: Checkpoint, prefill_weights: str = "auto") -> BuildPlan:
+    if prefill_weights not in PREFILL_WEIGHTS:
+        raise ValueError(f"prefill weights {prefill_weights!r}: one of {PREFILL_WEIGHTS}")
+    shapes = expected_tensors(ckpt.config)
+    sizes = [_numel(s) for s in shapes.values()]
+    params = sum(sizes)
+    large = params * 4 > LARGE_FP32_BYTES
+    plan = BuildPlan(params=params, largest=max(sizes),
+                     prefill_exact16=prefill_weights == "exact16" or (prefill_weights == "auto" and large),
+                     baselines=not large)
+    if large:
+        why = (f"A/B baseline not built: FP32 weights {params * 4 / GiB:.1f} GiB > {LARGE_FP32_BYTES / GiB:.0f} GiB "
+               "(each baseline is one more full copy)")
+        plan.unbuilt = {n: {"reason": why, "fallback": fb} for n, fb in BASELINE_FALLBACKS.items()}
+    return plan
+
+
+def check_memory(plan: BuildPlan, available: Optional[int] = None) -> None:
+    """Refuse, before writing anything, a build that the machine's available memory cannot hold."""
+    avail = mem_available() if available is None else available
+    need = plan.estimate_bytes()
+    if avail and need > avail:
+        raise BuildRefused(f"this build needs about {need / GiB:.1f} GiB of memory and {avail / GiB:.1f} GiB is "
+                           f"available ({plan.describe()}); free memory or build on a larger machine")
+
+
+def mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
