@@ -6,7 +6,8 @@ Every `interval` seconds the process tree of the command (the command and all it
 tritonserver and Python backend stub of `hetserve up`) is read from /proc: RSS summed (what `ps` shows; pages
 shared between processes, such as one weights file mapped by two servers, count once per process) and PSS summed
 (shared pages split between the processes that map them: what the tree costs the machine). The command's
-stderr/stdout lines are echoed with the tree's RSS at that moment, so a build's steps show where memory goes.
+stderr/stdout lines are echoed with the tree's RSS at that moment and the highest since the line before, so a
+build's steps show where memory goes.
 Prints the peaks at the end (and writes them to --json).
 """
 from __future__ import annotations
@@ -71,12 +72,14 @@ def main() -> int:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     peak = {"rss": 0, "pss": 0, "processes": 0}
     now = dict(peak)
+    since = {"rss": 0}  # the highest RSS since the previous output line (where a step's peak was)
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
             u = usage(tree(proc.pid))
             now.update(u)
+            since["rss"] = max(since["rss"], u["rss"])
             for k in peak:
                 peak[k] = max(peak[k], u[k])
             time.sleep(a.interval)
@@ -86,7 +89,9 @@ def main() -> int:
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            sys.stdout.write(f"[{time.time() - t0:6.1f}s rss {now['rss'] / GiB:5.2f} GiB] {line}")
+            sys.stdout.write(f"[{time.time() - t0:6.1f}s rss {now['rss'] / GiB:5.2f} GiB, max before "
+                             f"{since['rss'] / GiB:5.2f}] {line}")
+            since["rss"] = now["rss"]
             sys.stdout.flush()
         rc = proc.wait()
     except KeyboardInterrupt:

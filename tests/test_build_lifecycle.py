@@ -39,3 +39,34 @@ def test_failed_build_keeps_the_previous_engines_and_leaves_no_partial_files(tin
         builder.build_engines(str(tiny / "hf"), str(eng), tensorrt=False, force=True, log=lambda s: None)
     assert {f.name: f.stat().st_mtime_ns for f in eng.iterdir()} == before
     assert not [p.name for p in tiny.iterdir() if ".building-" in p.name]
+
+
+def _shape_only(**kw):
+    """A Checkpoint with a config and no weights: what the build plan reads."""
+    from hetserve.model.checkpoint import Checkpoint, LlamaConfig
+
+    base = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, max_position=8192, tie_word_embeddings=True,
+                bos_token_id=1, eos_token_ids=(2,))
+    return Checkpoint(LlamaConfig(**{**base, **kw}), {}, "shape-only", "0", {}, None)
+
+
+def test_build_plan_by_size_and_refusal_before_writing():
+    """Llama-3.2-1B shapes: 16-bit exact prefill weights, no A/B baselines (recorded with their fallbacks), and a
+    machine without the memory is refused with both figures; the default-size model builds everything."""
+    from hetserve.engines.build_plan import BuildRefused, check_memory, plan_build
+
+    big = plan_build(_shape_only())
+    assert big.params == 1_235_814_400  # Llama-3.2-1B as published
+    assert big.prefill_exact16 and not big.baselines
+    assert {n: u["fallback"] for n, u in big.unbuilt.items()} == {"decode_fp32": "decode_fp32_standard",
+                                                                   "decode_int8_standard": "decode_int8"}
+    assert 4 << 30 < big.estimate_bytes() < 6 << 30
+    assert big.serving["HETSERVE_DECODE_ENGINES"] == "decode_int8_native"
+    with pytest.raises(BuildRefused, match=r"needs about \d+\.\d GiB of memory and 2\.0 GiB is available"):
+        check_memory(big, available=2 << 30)
+    check_memory(big, available=64 << 30)
+    small = plan_build(_shape_only(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                   num_heads=9, num_kv_heads=3))
+    assert small.baselines and not small.prefill_exact16 and not small.unbuilt and not small.serving
+    assert plan_build(_shape_only(), prefill_weights="fp32").prefill_exact16 is False

@@ -155,6 +155,28 @@ def test_bf16_sharded_safetensors_lazy_and_exact(tmp_path, tok_json):
         np.testing.assert_array_equal(ck.weights[n], sd[n], err_msg=n)
 
 
+def test_bf16_checkpoint_16bit_prefill_weights_exact(tmp_path, tok_json):
+    """The prefill/reference graph of large models keeps a bf16 checkpoint's own values (Cast to fp32 per call):
+    greedy tokens still equal transformers FP32, the graph stores every MatMul weight in bf16, and the manifest
+    says so (the path every build above 2 GiB of FP32 weights takes; forced here on a tiny model)."""
+    import onnx
+
+    from hetserve.engines.builder import build_engines
+
+    model = zoo.make_hf(tmp_path / "hf", "llama3_rope", tok_json=tok_json, dtype="bfloat16")
+    man = build_engines(str(tmp_path / "hf"), str(tmp_path / "eng"), tensorrt=False, log=lambda s: None,
+                        prefill_weights="exact16")
+    ref = man["engines"]["prefill_fp32"]
+    assert ref["compact"] and "bfloat16 100%" in ref["weights"], ref
+    g = onnx.load(str(tmp_path / "eng" / ref["file"]), load_external_data=False)
+    inits = {i.name: i.data_type for i in g.graph.initializer}
+    mm = [n.input[1] for n in g.graph.node if n.op_type == "MatMul" and n.input[1] not in inits]
+    casts = {n.output[0]: n.input[0] for n in g.graph.node if n.op_type == "Cast"}
+    assert mm and all(inits[casts[w]] == onnx.TensorProto.BFLOAT16 for w in mm)
+    _assert_exact(tmp_path / "eng", model, _prompts())
+    _assert_gates(man)
+
+
 def test_qwen25_layout_eos_ids_template_and_vocab(tmp_path, tok_json):
     """Qwen2.5 as published: 151,936-row (tied) embedding, q/k/v biases, several EOS ids in generation_config.json,
     the chat template in tokenizer_config.json (transformers 4) or chat_template.jinja (transformers 5)."""
@@ -299,9 +321,9 @@ def test_native_unbuilt_checkpoint_serves_on_the_fallback(tmp_path, tok_json):
     assert "136" in man["unbuilt"]["decode_int8_native"]["reason"]
     assert load_engine(str(tmp_path / "eng"), "decode_int8_native").name == "decode_int8"
     assert load_engine(str(tmp_path / "eng"), "prefill_int8_native").name == "prefill_fp32"
-    assert _unservable_engines(man) == []
+    assert _unservable_engines(man, str(tmp_path / "eng")) == []
     no_fallback = dict(man, unbuilt={})
-    assert any("decode_int8_native" in p for p in _unservable_engines(no_fallback))
+    assert any("decode_int8_native" in p for p in _unservable_engines(no_fallback, str(tmp_path / "eng")))
 
     base = int(os.environ.get("HETSERVE_ZOO_BASE_PORT", "25500"))
     env = {**os.environ, "HETSERVE_DECODE_ENGINES": "decode_fp32,decode_int8_native"}

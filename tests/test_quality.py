@@ -51,6 +51,24 @@ def test_gate_can_fail(engine_dir):
     assert quality.compare(ref, ref, "t").mean_kld == 0.0
 
 
+@pytest.mark.parametrize("name", [quality.REFERENCE, "decode_fp8_qdq"])
+def test_score_view_equals_one_step_per_token(engine_dir, name):
+    """The gate scores standard-op graphs in one call (score view); it must give what one decode step per token
+    gives (the same engine, the same KV), for the plain graph, the QDQ one, and after a KV wire round trip."""
+    from hetserve.engines.builder import load_tokenizer
+    from hetserve.engines.runtime import Engine
+
+    ids = quality.token_matrix(load_tokenizer(engine_dir), quality.EVAL_TEXTS[:2])
+    steps, view = Engine(engine_dir, name, threads=1), quality.open_for_scoring(engine_dir, name, threads=1)
+    assert view._score_view and not steps._score_view
+    for rt in (None, quality.wire_roundtrip("int8")):
+        a = quality.teacher_forced(steps, ids, kv_roundtrip=rt)
+        b = quality.teacher_forced(view, ids, kv_roundtrip=rt)
+        assert a.shape == b.shape == (2, quality.N_TOKENS - quality.CTX, steps.config.vocab_size)
+        assert np.abs(a - b).max() < 2e-3 * max(1.0, float(np.abs(a).max())), name
+        assert quality.compare(a, b, "t").mean_kld < 1e-6
+
+
 def test_int8_vs_llamacpp_q8_0_same_texts(engine_dir, man, tmp_path_factory):
     """INT8 decode mean KLD (both INT8 engines) <= 0.7x llama.cpp Q8_0's on the held-out texts (Q8_0 made by
     llama.cpp's own quantizer from the same GGUF; logits of llama.cpp F32 and our FP32 engine agree to ~1e-6 KLD)."""

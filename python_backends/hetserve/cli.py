@@ -60,7 +60,7 @@ def cmd_up(args) -> int:
     from .server import REPO_ROOT, bind_host
 
     ed = _engine_dir(args)
-    problems = _unservable_engines(build_engines(args.checkpoint, ed))
+    problems = _unservable_engines(build_engines(args.checkpoint, ed), ed)
     if problems:
         print("hetserve up: refusing to start: " + "; ".join(problems), file=sys.stderr)
         return 1
@@ -115,13 +115,12 @@ def cmd_up(args) -> int:
     return rc
 
 
-def _unservable_engines(manifest: dict) -> list:
+def _unservable_engines(manifest: dict, engine_dir: str) -> list:
     """The configured engines (HETSERVE_PREFILL_ENGINE, HETSERVE_DECODE_ENGINES, ...) that neither exist nor have
     a recorded fallback: checked before any server starts, so no server dies after start for want of one."""
-    from .engines.manifest import unresolved_engines
+    from .engines.manifest import ENGINE_VARS, configured_engines, unresolved_engines
 
-    names = [config.get("HETSERVE_PREFILL_ENGINE"), config.get("HETSERVE_AGGREGATED_DECODE_ENGINE"),
-             *(n.strip() for n in config.get("HETSERVE_DECODE_ENGINES").split(",") if n.strip())]
+    names = [n for var in ENGINE_VARS for n in configured_engines(engine_dir, var)]
     return unresolved_engines(manifest, names)
 
 

@@ -22,6 +22,12 @@ PREFILL_WEIGHTS = ("auto", "fp32", "exact16")
 
 # A/B engines left out of large builds, with the engine that serves in their place (runtime.load_engine)
 BASELINE_FALLBACKS = {"decode_fp32": "decode_fp32_standard", "decode_int8_standard": "decode_int8"}
+# What servers run for a large model unless the operator says otherwise (manifest `serving`; manifest.configured_
+# engines): INT8 native prefill and decode over one mapped weight file. The 16-bit FP32 graph casts every weight
+# per call (a reference and fallback, not a serving engine), and loading an FP32 decode engine next to INT8 would
+# only cost memory.
+LARGE_SERVING = {"HETSERVE_PREFILL_ENGINE": "prefill_int8_native", "HETSERVE_DECODE_ENGINES": "decode_int8_native",
+                 "HETSERVE_AGGREGATED_DECODE_ENGINE": "decode_int8_native"}
 
 
 class BuildRefused(RuntimeError):
@@ -35,6 +41,7 @@ class BuildPlan:
     prefill_exact16: bool
     baselines: bool
     unbuilt: Dict[str, dict] = field(default_factory=dict)
+    serving: Dict[str, str] = field(default_factory=dict)  # engine settings' defaults for this model (manifest)
 
     def estimate_bytes(self) -> int:
         """Peak resident memory of the build: interpreter + libraries, the reference graph's weights mapped while
@@ -64,6 +71,7 @@ def plan_build(ckpt: Checkpoint, prefill_weights: str = "auto") -> BuildPlan:
         why = (f"A/B baseline not built: FP32 weights {params * 4 / GiB:.1f} GiB > {LARGE_FP32_BYTES / GiB:.0f} GiB "
                "(each baseline is one more full copy)")
         plan.unbuilt = {n: {"reason": why, "fallback": fb} for n, fb in BASELINE_FALLBACKS.items()}
+        plan.serving = dict(LARGE_SERVING)
     return plan
 
 

@@ -148,6 +148,18 @@ def _write(log, t0, desc: str, build, ckpt, path: Path, codec) -> None:
         build(ckpt, path, codec, update)
     finally:
         close()
+        _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Give freed heap back to the OS between steps: glibc keeps the holes of a step's freed tensors (tens of MB
+    each) mapped, ~2 GiB after a 1B graph, which would count against the next step's peak."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, only memory
+        pass
 
 
 def _build_into(out: Path, ckpt, plan: BuildPlan, key: dict, chash: str, use_trt: bool, log, t0: float) -> dict:
@@ -188,6 +200,7 @@ def _build_into(out: Path, ckpt, plan: BuildPlan, key: dict, chash: str, use_trt
     log(f"[4/{STEPS}] QDQ graphs for TensorRT + native INT8 engine  +{time.time() - t0:.1f}s")
     engines.update(_build_qdq(ckpt, fp32, bool(ref.get("compact")), out, log, t0))
     native, native_unbuilt = _build_native(ckpt, out, log, t0)
+    _trim_heap()
     engines.update(native)
     unbuilt.update(native_unbuilt)
     if use_trt:  # pragma: no cover - needs a GPU
@@ -218,6 +231,7 @@ def _build_into(out: Path, ckpt, plan: BuildPlan, key: dict, chash: str, use_trt
         "chat_template": ckpt.chat_template,
         "engines": engines,
         "unbuilt": unbuilt,  # {name: {reason, fallback}}: engines this build does not have (runtime.load_engine)
+        "serving": plan.serving,  # engine settings' defaults for this model's size (manifest.configured_engines)
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build_seconds": round(time.time() - t0, 1),
     }

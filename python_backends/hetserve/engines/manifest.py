@@ -38,6 +38,19 @@ def read_manifest(engine_dir) -> Optional[dict]:
     return json.loads(p.read_text())
 
 
+ENGINE_VARS = ("HETSERVE_PREFILL_ENGINE", "HETSERVE_DECODE_ENGINES", "HETSERVE_AGGREGATED_DECODE_ENGINE")
+
+
+def configured_engines(engine_dir, var: str) -> List[str]:
+    """The engines a server runs for `var` (one of ENGINE_VARS): the operator's setting when given, else what the
+    build chose for this model's size (manifest `serving`, build_plan.py), else the setting's default."""
+    from .. import config
+
+    serving = (read_manifest(engine_dir) or {}).get("serving") or {}
+    raw = serving[var] if not config.is_set(var) and var in serving else config.get(var)
+    return [n.strip() for n in str(raw).split(",") if n.strip()]
+
+
 def resolve_engine(manifest: dict, name: str) -> Optional[str]:
     """The engine to load for the configured `name`: itself when built, else the fallback the builder recorded under
     `unbuilt` (an engine this checkpoint cannot have, e.g. the native INT8 engine for a shape it does not run);

@@ -194,6 +194,9 @@ def library(isa: Optional[str] = None) -> ctypes.CDLL:
 
 
 # ---- packing (hetserve build) ---------------------------------------------------------------------------------
+QUANT_ROWS = 2048  # a multiple of 16 (the packed row group)
+
+
 def quantize_matrix(w: np.ndarray, bs: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """W [N, K] fp32 -> (packed q uint8 [N/16, K/4, 16, 4], packed block scales uint8 [N/16, K/bs, 16], row
     scales float32 [N]). Symmetric, 8.5 bits per weight at blocks of 16 (llama.cpp Q8_0's bytes at half its
@@ -203,6 +206,9 @@ def quantize_matrix(w: np.ndarray, bs: int) -> Tuple[np.ndarray, np.ndarray, np.
     N, K = w.shape
     if N % 16 or K % bs:
         raise ValueError(f"matrix {N}x{K}: N must be a multiple of 16 and K of the block size {bs}")
+    if N > QUANT_ROWS:  # rows are independent: in chunks, so a 128k-row LM head needs ~0.1 GiB of temporaries
+        parts = [quantize_matrix(w[i:i + QUANT_ROWS], bs) for i in range(0, N, QUANT_ROWS)]
+        return tuple(np.concatenate(p) for p in zip(*parts))  # type: ignore[return-value]
     b = w.reshape(N, K // bs, bs).astype(np.float32)
     amax = np.abs(b).max(-1)  # [N, nb]
     d = (amax.max(-1) / (127.0 * 255.0)).astype(np.float32)  # [N]

@@ -19,6 +19,7 @@ off (it would materialise the fp32 weights) and without the CPU arena (runtime.o
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -41,14 +42,15 @@ class ExternalData:
         self._f = open(self.path, "wb")
         self.bytes = 0
 
-    def tensor(self, name: str, data: bytes, dtype: int, shape) -> TensorProto:
-        if len(data) <= INLINE_MAX:
-            return helper.make_tensor(name, dtype, list(shape), data, raw=True)
+    def tensor(self, name: str, data, dtype: int, shape) -> TensorProto:
+        """`data`: bytes or a buffer (memoryview) of the tensor's raw little-endian values."""
+        if memoryview(data).nbytes <= INLINE_MAX:
+            return helper.make_tensor(name, dtype, list(shape), bytes(data), raw=True)
         pad = (-self.bytes) % ALIGN
         self._f.write(b"\0" * pad)
         off = self.bytes + pad
         self._f.write(data)
-        self.bytes = off + len(data)
+        self.bytes = off + memoryview(data).nbytes
         t = TensorProto(name=name, data_type=dtype, dims=list(shape), data_location=TensorProto.EXTERNAL)
         for k, v in (("location", self.path.name), ("offset", str(off)), ("length", str(len(data)))):
             e = t.external_data.add()
@@ -57,7 +59,8 @@ class ExternalData:
 
     def array(self, name: str, arr: np.ndarray) -> TensorProto:
         arr = np.ascontiguousarray(arr)
-        return self.tensor(name, arr.tobytes(), helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
+        data = arr.tobytes() if arr.nbytes <= INLINE_MAX else memoryview(arr.reshape(-1).view(np.uint8))  # no copy
+        return self.tensor(name, data, helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
 
     def close(self) -> None:
         self._f.close()
@@ -77,17 +80,30 @@ def save_graph(model: onnx.ModelProto, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def transposed(a: np.ndarray, rows: int = 256) -> np.ndarray:
+    """a.T, contiguous, copied in row blocks that stay in cache (2.5-4x faster than one strided copy of a large
+    matrix; the graph builders transpose every weight of the model)."""
+    out = np.empty((a.shape[1], a.shape[0]), a.dtype)
+    for i in range(0, a.shape[0], rows):
+        out[:, i:i + rows] = a[i:i + rows].T
+    return out
+
+
 def _narrow_exact(arr: np.ndarray, rows: int = 4096) -> Tuple[np.ndarray, int]:
-    """`arr` (float32) as bf16 or fp16 when either holds every value exactly, else float32 (checked in row chunks:
-    no second float32 copy of a 1 GiB embedding)."""
+    """`arr` (float32) as bf16 or fp16 when either holds every value exactly, else float32. Checked in row
+    chunks (no second float32 copy of a 1 GiB embedding); bf16 by its bits: a float32 whose low 16 bits are zero
+    is a bf16 value, and its high 16 bits are that value."""
     import ml_dtypes
 
-    for np_t, onnx_t in ((ml_dtypes.bfloat16, TensorProto.BFLOAT16), (np.float16, TensorProto.FLOAT16)):
-        n = arr.astype(np_t)
-        if all(np.array_equal(n[i:i + rows].astype(np.float32), arr[i:i + rows], equal_nan=True)
-               for i in range(0, max(len(arr), 1), rows)):
-            return n, onnx_t
-        del n
+    bits = arr.reshape(len(arr), -1).view(np.uint32) if arr.ndim else arr.reshape(1).view(np.uint32)
+    if not any((bits[i:i + rows] & 0xFFFF).any() for i in range(0, len(bits), rows)):
+        high = np.ascontiguousarray(bits.view(np.uint16)[:, 1::2] if sys.byteorder == "little"
+                                    else bits.view(np.uint16)[:, 0::2])  # the high half of each float32
+        return high.view(ml_dtypes.bfloat16).reshape(arr.shape), TensorProto.BFLOAT16
+    n = arr.astype(np.float16)
+    if all(np.array_equal(n[i:i + rows].astype(np.float32), arr[i:i + rows], equal_nan=True)
+           for i in range(0, max(len(arr), 1), rows)):
+        return n, TensorProto.FLOAT16
     return arr, TensorProto.FLOAT
 
 
@@ -100,7 +116,7 @@ class WeightCodec:
     domains: Tuple[str, ...] = ()  # operator domains besides ONNX's own that the graph must import
 
     def matmul(self, g, x: str, w: np.ndarray, wname: str) -> str:
-        return g.op("MatMul", [x, g.weight(np.ascontiguousarray(np.asarray(w, np.float32).T), wname)])
+        return g.op("MatMul", [x, g.weight(transposed(np.asarray(w, np.float32)), wname)])
 
     def table(self, g, arr: np.ndarray, name: str, ids: str) -> str:
         """Gather rows `ids` of an embedding table (float32 output)."""
@@ -123,7 +139,7 @@ class Exact16Codec(WeightCodec):
         del arr
         key = TensorProto.DataType.Name(t).lower()
         self.stored[key] = self.stored.get(key, 0) + int(narrow.size)
-        return g.weight(np.ascontiguousarray(narrow.T) if transpose else narrow, wname), t != TensorProto.FLOAT
+        return g.weight(transposed(narrow) if transpose else narrow, wname), t != TensorProto.FLOAT
 
     def matmul(self, g, x, w, wname):
         wn, narrow = self._store(g, w, wname, transpose=True)
@@ -162,7 +178,7 @@ class NBits8Codec(WeightCodec):
                                            accuracy_level=self.accuracy_level, bits=8)
         N, K = w.shape
         packed, scales, zp = DefaultWeightOnlyQuantizer(cfg).qbits_block_quant(
-            np.ascontiguousarray(np.asarray(w, np.float32).T))
+            transposed(np.asarray(w, np.float32)))
         ins = [x, g.weight(packed, wname + "_Q8"), g.weight(scales, wname + "_scales")]
         if not self.symmetric:
             ins.append(g.weight(zp, wname + "_zero_points"))
@@ -198,13 +214,14 @@ class QdqCodec(WeightCodec):
         if self.kind == "int8":
             s = np.maximum(np.abs(w).max(axis=1), 1e-12) / 127.0
             codes = np.clip(np.rint(w / s[:, None]), -127, 127).astype(np.int8)
-            q = g.weight(np.ascontiguousarray(codes.T), wname + "_q")
+            q = g.weight(transposed(codes), wname + "_q")
         else:
             import ml_dtypes
 
             s = np.maximum(np.abs(w).max(axis=1), 1e-12) / FP8_MAX
-            codes = np.ascontiguousarray((w / s[:, None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).T)
-            q = g.add_init(g.data.tensor(wname + "_q", codes.tobytes(), TensorProto.FLOAT8E4M3FN, codes.shape))
+            codes = transposed((w / s[:, None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+            q = g.add_init(g.data.tensor(wname + "_q", memoryview(codes.reshape(-1)), TensorProto.FLOAT8E4M3FN,
+                                         codes.shape))
         wdq = wname + "_dq"
         g.nodes.append(helper.make_node("DequantizeLinear", [q, g.weight(s.astype(np.float32), wname + "_s")], [wdq],
                                         name=g.name("n_DequantizeLinear"), axis=1))

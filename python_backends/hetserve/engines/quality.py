@@ -172,13 +172,15 @@ def engine_quality(engine_dir: str, names: Sequence[str], kv_dtypes: Sequence[st
     ref_eng = open_for_scoring(engine_dir, REFERENCE, threads)
     if _scores(ref_eng):  # one call for the reference, one per KV dtype (their context is the reference's)
         ref, k_ctx, v_ctx = whole_text(ref_eng, ids)
+        got = np.empty_like(ref)  # one buffer for every KV row (each is 0.3 GiB at a 128k vocabulary)
+        got[:, :1] = ref[:, :1]  # the context's own last logits: computed before any KV handoff
     else:
         ref = teacher_forced(ref_eng, ids)
     res = {}
     for dt in kv_dtypes:
         if _scores(ref_eng):
             k, v = _roundtrip(wire_roundtrip(dt), k_ctx, v_ctx)
-            got = np.concatenate([ref[:, :1], scored_after(ref_eng, ids, CTX, k, v)], axis=1)
+            got[:, 1:] = scored_after(ref_eng, ids, CTX, k, v)
         else:
             got = teacher_forced(ref_eng, ids, kv_roundtrip=wire_roundtrip(dt))
         res[f"kv:{dt}"] = compare(ref, got, tag).to_dict()

@@ -8,6 +8,7 @@ import triton_python_backend_utils as pb_utils
 
 from .. import config
 from ..bounded import BoundedExecutor
+from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..sampling import is_stop_token, sample
 from ..scheduler import DecodeScheduler, Sequence
@@ -26,8 +27,8 @@ class _StopGeneration(Exception):
 class TritonPythonModel:
     def initialize(self, args):
         d = engine_dir()
-        self.prefill = load_engine(d, config.get("HETSERVE_PREFILL_ENGINE"))
-        dec = load_engine(d, config.get("HETSERVE_AGGREGATED_DECODE_ENGINE"))
+        self.prefill = load_engine(d, configured_engines(d, "HETSERVE_PREFILL_ENGINE")[0])
+        dec = load_engine(d, configured_engines(d, "HETSERVE_AGGREGATED_DECODE_ENGINE")[0])
         self.precision = dec.precision
         self.cfg = self.prefill.config
         self.sched = DecodeScheduler({dec.precision: dec}, eos_ids=self.cfg.eos_token_ids,

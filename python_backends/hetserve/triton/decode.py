@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from .. import config
 from ..bounded import BoundedExecutor
+from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..kv.blocks import BlockPool
 from ..kv.snapshot import Snapshotter
@@ -52,7 +53,7 @@ class SenderReply:
 
 class TritonPythonModel:
     def initialize(self, args):
-        names = config.get("HETSERVE_DECODE_ENGINES").split(",")
+        names = configured_engines(engine_dir(), "HETSERVE_DECODE_ENGINES")
         engines = {}
         for n in names:
             e = load_engine(engine_dir(), n.strip())

@@ -27,6 +27,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .. import config, diagnostics
+from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..kv.prefix import PrefixCache
 from ..kv.transport import NAMES as TRANSPORTS
@@ -89,7 +90,7 @@ class _Reply:
 
 class TritonPythonModel:
     def initialize(self, args):
-        engine = load_engine(engine_dir(), config.get("HETSERVE_PREFILL_ENGINE"))
+        engine = load_engine(engine_dir(), configured_engines(engine_dir(), "HETSERVE_PREFILL_ENGINE")[0])
         engine.warmup()
         self.cfg = engine.config
         self.prefix = PrefixCache.from_env(seed=engine.compat_hash)  # HETSERVE_PREFIX_CACHE_MB
