@@ -38,17 +38,19 @@ class BuildRefused(RuntimeError):
 class BuildPlan:
     params: int
     largest: int  # elements of the largest tensor
+    vocab: int
     prefill_exact16: bool
     baselines: bool
     unbuilt: Dict[str, dict] = field(default_factory=dict)
     serving: Dict[str, str] = field(default_factory=dict)  # engine settings' defaults for this model (manifest)
 
     def estimate_bytes(self) -> int:
-        """Peak resident memory of the build: interpreter + libraries, the reference graph's weights mapped while
-        it calibrates and gates (stored 2 or 4 bytes a weight), and one tensor in float32 with its transpose
-        and converted copy (the largest: the embedding / LM head)."""
+        """Peak resident memory of the build, as measured (loadtest/README.md, 1B and 3B): interpreter and
+        libraries, the reference graph's weights mapped while it calibrates and gates (2 or 4 bytes a weight),
+        its per-call float32 transients (~3x the largest tensor: the embedding / LM head) and the gate's two
+        logits buffers (600 positions x vocabulary)."""
         ref = self.params * (2 if self.prefill_exact16 else 4)
-        return int(0.8 * GiB) + ref + 3 * 4 * self.largest
+        return GiB + ref + 3 * 4 * self.largest + 2 * 600 * 4 * self.vocab
 
     def describe(self) -> str:
         return (f"{self.params / 1e9:.2f}B parameters; prefill/reference weights "
@@ -64,7 +66,7 @@ def plan_build(ckpt: Checkpoint, prefill_weights: str = "auto") -> BuildPlan:
     sizes = [_numel(s) for s in shapes.values()]
     params = sum(sizes)
     large = params * 4 > LARGE_FP32_BYTES
-    plan = BuildPlan(params=params, largest=max(sizes),
+    plan = BuildPlan(params=params, largest=max(sizes), vocab=ckpt.config.vocab_size,
                      prefill_exact16=prefill_weights == "exact16" or (prefill_weights == "auto" and large),
                      baselines=not large)
     if large:

@@ -31,6 +31,9 @@ from onnx import TensorProto, helper
 ALIGN = 4096  # page size: ONNX Runtime maps page-aligned external data instead of reading it
 INLINE_MAX = 1024  # smaller tensors stay inside the graph file (as onnx.save_model's size_threshold)
 FP8_MAX = 448.0
+# Exact16 graphs cast each weight to fp32 per call; a weight larger than this is split into column blocks so the
+# transient fp32 copy is at most this (1 GiB for a Llama 3 1B LM head otherwise, on top of the mapped weights).
+SPLIT_BYTES = 256 << 20
 
 
 class ExternalData:
@@ -142,6 +145,11 @@ class Exact16Codec(WeightCodec):
         return g.weight(transposed(narrow) if transpose else narrow, wname), t != TensorProto.FLOAT
 
     def matmul(self, g, x, w, wname):
+        n = max(1, -(-w.shape[0] * w.shape[1] * 4 // SPLIT_BYTES))
+        if n > 1:  # a large weight (a 128k-vocabulary LM head) in column blocks: one block's fp32 copy at a time
+            step = -(-w.shape[0] // n)
+            return g.op("Concat", [self.matmul(g, x, w[i:i + step], f"{wname}_part{i // step}")
+                                   for i in range(0, w.shape[0], step)], axis=-1)
         wn, narrow = self._store(g, w, wname, transpose=True)
         return g.op("MatMul", [x, g.op("Cast", [wn], to=TensorProto.FLOAT) if narrow else wn])
 
