@@ -136,6 +136,7 @@ class Exact16Codec(WeightCodec):
 
     def __init__(self):
         self.stored: Dict[str, int] = {}  # ONNX dtype -> number of weights stored in it (for the manifest)
+        self._dep: Dict[str, str] = {}
 
     def _store(self, g, arr: np.ndarray, wname: str, transpose: bool) -> Tuple[str, bool]:
         narrow, t = _narrow_exact(np.asarray(arr, np.float32))
@@ -151,7 +152,21 @@ class Exact16Codec(WeightCodec):
             return g.op("Concat", [self.matmul(g, x, w[i:i + step], f"{wname}_part{i // step}")
                                    for i in range(0, w.shape[0], step)], axis=-1)
         wn, narrow = self._store(g, w, wname, transpose=True)
-        return g.op("MatMul", [x, g.op("Cast", [wn], to=TensorProto.FLOAT) if narrow else wn])
+        if not narrow:
+            return g.op("MatMul", [x, wn])
+        # Reshaped (to its own shape, no copy) by a shape computed from x: the cast cannot run before x exists.
+        # ONNX Runtime otherwise schedules the casts of weights (inputs: initializers only) ahead of their layers,
+        # and many fp32 copies are alive at once (+5 GiB at a 3B model).
+        shape = g.op("Mul", [g.const(np.array(w.shape[::-1], np.int64), "i64"), self._after(g, x)])
+        return g.op("MatMul", [x, g.op("Cast", [g.op("Reshape", [wn, shape])], to=TensorProto.FLOAT)])
+
+    def _after(self, g, x: str) -> str:
+        """[1] (int64), computed from x."""
+        if x not in self._dep:
+            n = g.op("Slice", [g.op("Shape", [x]), g.const(np.array([0], np.int64), "i64"),
+                               g.const(np.array([1], np.int64), "i64")])
+            self._dep[x] = g.op("Div", [n, n])  # [B] / [B] = [1] (B >= 1)
+        return self._dep[x]
 
     def table(self, g, arr, name, ids):
         w, narrow = self._store(g, arr, name, transpose=False)
