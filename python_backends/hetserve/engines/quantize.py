@@ -58,10 +58,13 @@ def calibrate_matmul_inputs(graph: Path, compact: bool, tokenizer, texts, n_toke
         from onnx import TensorProto, helper
 
         inits = {i.name for i in model.graph.initializer}
-        cast_of = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Cast"}
+        # an Exact16 weight reaches its MatMul through Reshape (its ordering dependency) and Cast: walk back
+        src = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type in ("Cast", "Reshape")}
         for n in model.graph.node:
             if n.op_type == "MatMul":
-                w = n.input[1] if n.input[1] in inits else cast_of.get(n.input[1])
+                w = n.input[1]
+                while w not in inits and w in src:
+                    w = src[w]
                 if w in inits:
                     acts.setdefault(n.input[0], []).append(w)
         for i, a in enumerate(acts):
