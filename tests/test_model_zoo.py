@@ -170,14 +170,15 @@ def test_bf16_checkpoint_16bit_prefill_weights_exact(tmp_path, tok_json):
     assert ref["compact"] and "bfloat16 100%" in ref["weights"], ref
     g = onnx.load(str(tmp_path / "eng" / ref["file"]), load_external_data=False)
     inits = {i.name: i.data_type for i in g.graph.initializer}
-    mm = [n.input[1] for n in g.graph.node if n.op_type == "MatMul" and n.input[1] not in inits]
     src = {n.output[0]: n.input[0] for n in g.graph.node if n.op_type in ("Cast", "Reshape")}
 
     def stored(w):  # MatMul <- Cast <- Reshape (the cast's ordering dependency) <- the bf16 initializer
-        while w not in inits:
+        while w in src:
             w = src[w]
-        return inits[w]
-    assert mm and all(stored(w) == onnx.TensorProto.BFLOAT16 for w in mm)
+        return inits.get(w)
+    weights = [stored(n.input[1]) for n in g.graph.node if n.op_type == "MatMul" and n.input[1] in src]
+    L = man["config"]["num_layers"]
+    assert len(weights) == 7 * L + 1 and set(weights) == {onnx.TensorProto.BFLOAT16}, weights
     _assert_exact(tmp_path / "eng", model, _prompts())
     _assert_gates(man)
 

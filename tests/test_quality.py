@@ -51,22 +51,29 @@ def test_gate_can_fail(engine_dir):
     assert quality.compare(ref, ref, "t").mean_kld == 0.0
 
 
-@pytest.mark.parametrize("name", [quality.REFERENCE, "decode_fp8_qdq"])
-def test_score_view_equals_one_step_per_token(engine_dir, name):
+def test_score_view_equals_one_step_per_token(engine_dir):
     """The gate scores standard-op graphs in one call (score view); it must give what one decode step per token
-    gives (the same engine, the same KV), for the plain graph, the QDQ one, and after a KV wire round trip."""
+    gives: the same logits for the FP32 graph (plain and after a KV wire round trip), and the same KLD for the FP8
+    QDQ graph (its per-element FP8 rounding turns float-order differences into different roundings, so logits are
+    compared through the figure the gate reports)."""
     from hetserve.engines.builder import load_tokenizer
     from hetserve.engines.runtime import Engine
 
-    ids = quality.token_matrix(load_tokenizer(engine_dir), quality.EVAL_TEXTS[:2])
+    ids = quality.token_matrix(load_tokenizer(engine_dir), quality.EVAL_TEXTS[:4])
+    name = quality.REFERENCE
     steps, view = Engine(engine_dir, name, threads=1), quality.open_for_scoring(engine_dir, name, threads=1)
     assert view._score_view and not steps._score_view
     for rt in (None, quality.wire_roundtrip("int8")):
         a = quality.teacher_forced(steps, ids, kv_roundtrip=rt)
         b = quality.teacher_forced(view, ids, kv_roundtrip=rt)
-        assert a.shape == b.shape == (2, quality.N_TOKENS - quality.CTX, steps.config.vocab_size)
-        assert np.abs(a - b).max() < 2e-3 * max(1.0, float(np.abs(a).max())), name
-        assert quality.compare(a, b, "t").mean_kld < 1e-6
+        assert a.shape == b.shape == (4, quality.N_TOKENS - quality.CTX, steps.config.vocab_size)
+        assert np.abs(a - b).max() < 2e-3 * max(1.0, float(np.abs(a).max()))
+    ref = b if rt is None else quality.teacher_forced(view, ids)
+    fp8 = "decode_fp8_qdq"
+    k_steps = quality.compare(ref, quality.teacher_forced(Engine(engine_dir, fp8, threads=1), ids), "t").mean_kld
+    k_view = quality.compare(ref, quality.teacher_forced(quality.open_for_scoring(engine_dir, fp8, threads=1), ids),
+                             "t").mean_kld
+    assert abs(k_steps - k_view) <= 0.2 * k_steps, (k_steps, k_view)
 
 
 def test_int8_vs_llamacpp_q8_0_same_texts(engine_dir, man, tmp_path_factory):
