@@ -45,9 +45,11 @@ class Int8Scheme:
 INT8_SCHEME = Int8Scheme(block=32, symmetric=False, fine=("v_proj", "down_proj", "lm_head", "_qkv_t", "_down_t"))
 
 
-def calibrate_matmul_inputs(graph: Path, compact: bool, tokenizer, texts, n_tokens: int = 120) -> dict:
+def calibrate_matmul_inputs(graph: Path, compact: bool, tokenizer, texts, n_tokens: int = 120,
+                            batch: int = 2) -> dict:
     """Per-tensor amax of every constant-weight MatMul's activation input, keyed by the weight's name, over the
-    first `n_tokens` tokens of each of `texts` (one batched FP32 prefill of the standard-op graph at `graph`)."""
+    first `n_tokens` tokens of each of `texts` (FP32 prefills of the standard-op graph at `graph`, `batch` texts a
+    call)."""
     import numpy as np
 
     from .runtime import causal_mask, open_session
@@ -76,17 +78,18 @@ def calibrate_matmul_inputs(graph: Path, compact: bool, tokenizer, texts, n_toke
     sess = open_session(graph, int(config.get("HETSERVE_THREADS")), compact=compact, edit=add_amax_outputs)
     rows = [tokenizer.encode(t)[:n_tokens] for t in texts]
     T = min(len(r) for r in rows)
-    ids = np.asarray([r[:T] for r in rows], np.int64)
-    B = len(rows)
     shape = next(i.shape for i in sess.get_inputs() if i.name == "past_key")  # [B, L, KVH, P, D]
     L, KVH, D = int(shape[1]), int(shape[2]), int(shape[4])
-    past = np.zeros((B, L, KVH, 0, D), np.float32)
     names = [f"calib_amax_{i}" for i in range(len(acts))]
-    out = sess.run(names, {"input_ids": ids, "position_ids": np.tile(np.arange(T), (B, 1)), "past_key": past,
-                           "past_value": past, "attention_mask": causal_mask([0] * B, [T] * B, 0, T),
-                           "last_index": np.full(B, T - 1)})
-    amax = {}
-    for ws, v in zip(acts.values(), out):
-        for w in ws:
-            amax[w] = float(v)
+    amax: dict = {}
+    for s in range(0, len(rows), batch):  # a few texts per call: a call's activations are what it holds
+        ids = np.asarray([r[:T] for r in rows[s:s + batch]], np.int64)
+        B = len(ids)
+        past = np.zeros((B, L, KVH, 0, D), np.float32)
+        out = sess.run(names, {"input_ids": ids, "position_ids": np.tile(np.arange(T), (B, 1)), "past_key": past,
+                               "past_value": past, "attention_mask": causal_mask([0] * B, [T] * B, 0, T),
+                               "last_index": np.full(B, T - 1)})
+        for ws, v in zip(acts.values(), out):
+            for w in ws:
+                amax[w] = max(amax.get(w, 0.0), float(v))
     return amax
