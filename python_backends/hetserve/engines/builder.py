@@ -65,6 +65,7 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    _mmap_large_allocations()
     log(f"[1/{STEPS}] loading checkpoint {checkpoint or '(default SmolLM2-135M-Instruct GGUF)'}")
     ckpt = load_checkpoint(checkpoint)
     chash = compat_hash(ckpt.source_hash, ckpt.config)
@@ -149,6 +150,19 @@ def _write(log, t0, desc: str, build, ckpt, path: Path, codec) -> None:
     finally:
         close()
         _trim_heap()
+
+
+def _mmap_large_allocations() -> None:
+    """Allocations over 1 MiB straight from mmap, so they go back to the OS when freed: glibc otherwise serves
+    tensors of tens of MB from its heap and keeps the holes (1B quality gate peak 4.6 -> 3.7 GiB)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: its allocator decides, only memory
+        pass
 
 
 def _trim_heap() -> None:
