@@ -152,28 +152,32 @@ def _write(log, t0, desc: str, build, ckpt, path: Path, codec) -> None:
         _trim_heap()
 
 
-def _mmap_large_allocations() -> None:
-    """Allocations over 1 MiB straight from mmap, so they go back to the OS when freed: glibc otherwise serves
-    tensors of tens of MB from its heap and keeps the holes (1B quality gate peak 4.6 -> 3.7 GiB)."""
+def _glibc():
+    """The C library when it is glibc (its allocator has the knobs below), else None: then only memory differs."""
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def _mmap_large_allocations() -> None:
+    """Allocations over 1 MiB straight from mmap, so they go back to the OS when freed: glibc otherwise serves
+    tensors of tens of MB from its heap and keeps the holes (1B quality gate peak 4.6 -> 3.7 GiB)."""
+    libc = _glibc()
+    if libc is not None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: its allocator decides, only memory
-        pass
 
 
 def _trim_heap() -> None:
     """Give freed heap back to the OS between steps: glibc keeps the holes of a step's freed tensors (tens of MB
     each) mapped, ~2 GiB after a 1B graph, which would count against the next step's peak."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim, only memory
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _build_into(out: Path, ckpt, plan: BuildPlan, key: dict, chash: str, use_trt: bool, log, t0: float) -> dict:

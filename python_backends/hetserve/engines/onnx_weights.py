@@ -113,7 +113,6 @@ def _narrow_exact(arr: np.ndarray, rows: int = 4096) -> Tuple[np.ndarray, int]:
 class WeightCodec:
     """Emits `x @ w.T` for a constant weight w [N, K] (the checkpoint's [out, in] layout; each codec transposes
     after it has narrowed the values, so the transposed copy is the small one) and stores embedding tables."""
-    name = "fp32"
     compact = False  # True: load with constant folding and the CPU arena off (see module docstring)
     opset = 17
     domains: Tuple[str, ...] = ()  # operator domains besides ONNX's own that the graph must import
@@ -131,7 +130,6 @@ class Float32Codec(WeightCodec):
 
 
 class Exact16Codec(WeightCodec):
-    name = "exact16"
     compact = True
 
     def __init__(self):
@@ -187,7 +185,6 @@ class NBits8Codec(WeightCodec):
     accuracy_level: int = 4
     fine_block: int = 16
     fine: Tuple[str, ...] = field(default_factory=tuple)
-    name = "int8_nbits"
     domains = ("com.microsoft",)
 
     def matmul(self, g, x, w, wname):
@@ -227,7 +224,6 @@ class QdqCodec(WeightCodec):
     def __post_init__(self):
         if self.kind not in ("int8", "fp8"):
             raise ValueError(f"unknown QDQ kind {self.kind!r}")
-        self.name = f"{self.kind}_qdq"
         self._act: Dict[str, str] = {}
 
     def matmul(self, g, x, w, wname):

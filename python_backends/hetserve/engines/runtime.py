@@ -130,6 +130,16 @@ def causal_mask(past_lens: Sequence[int], new_lens: Sequence[int], P: int, T: in
     return m
 
 
+def _standard_feeds(input_ids, position_ids, attention_mask, past_key, past_value, last_index) -> dict:
+    """The standard-op graph's inputs (onnx_graph.INPUT_NAMES), contiguous and in their dtypes."""
+    return {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+            "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
+            "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.float32),
+            "past_key": np.ascontiguousarray(past_key, dtype=np.float32),
+            "past_value": np.ascontiguousarray(past_value, dtype=np.float32),
+            "last_index": np.ascontiguousarray(last_index, dtype=np.int64)}
+
+
 class Engine:
     """A built engine (see builder.py): `forward` returns (logits[B,V], new_k[B,L,KVH,T,D], new_v)."""
 
@@ -188,12 +198,9 @@ class Engine:
         """Like `forward`, with the logits of flat positions `rows` (b * T + t) instead of one per row."""
         if not getattr(self, "_score_view", False):
             raise EngineError(f"engine {self.name!r} was not opened with score_view=True")
-        feeds = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
-                 "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
-                 "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.float32),
-                 "past_key": np.ascontiguousarray(past_key, dtype=np.float32),
-                 "past_value": np.ascontiguousarray(past_value, dtype=np.float32),
-                 "last_index": np.zeros(len(input_ids), np.int64), "score_rows": np.asarray(rows, np.int64)}
+        feeds = _standard_feeds(input_ids, position_ids, attention_mask, past_key, past_value,
+                                np.zeros(len(input_ids), np.int64))
+        feeds["score_rows"] = np.asarray(rows, np.int64)
         return self._run(feeds)
 
     def empty_past(self, batch: int) -> np.ndarray:
@@ -231,15 +238,7 @@ class Engine:
                                   last_index, self.name)
         if self.attention == "gqa":
             return self._forward_gqa(input_ids, position_ids, attention_mask, past_key, past_value, last_index)
-        feeds = {
-            "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
-            "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
-            "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.float32),
-            "past_key": np.ascontiguousarray(past_key, dtype=np.float32),
-            "past_value": np.ascontiguousarray(past_value, dtype=np.float32),
-            "last_index": np.ascontiguousarray(last_index, dtype=np.int64),
-        }
-        return self._run(feeds)
+        return self._run(_standard_feeds(input_ids, position_ids, attention_mask, past_key, past_value, last_index))
 
     def prefill(self, ids: Sequence[int], past_k: Optional[np.ndarray] = None,
                 past_v: Optional[np.ndarray] = None):
