@@ -383,12 +383,12 @@ def test_bad_input_is_refused_with_a_clear_error(eng):
     one = np.ones(1, np.int32)
     kp, vp = np.array([k.ctypes.data], np.uint64), np.array([v.ctypes.data], np.uint64)
     args = (np.array([1], np.int64), np.zeros(1, np.int32))
-    lst, cap = np.array([H * 4 * D], np.int64), np.array([4], np.int32)
+    lst, cap, klen = np.array([H * 4 * D], np.int64), np.array([4], np.int32), np.array([k.size], np.int64)
     logits = np.zeros((1, V), np.float32)
     with pytest.raises(ValueError, match="output index outside"):
-        m.run(*args, np.zeros(1, np.int32), kp, vp, lst, cap, np.array([1], np.int32), logits)
+        m.run(*args, np.zeros(1, np.int32), kp, vp, lst, cap, klen, np.array([1], np.int32), logits)
     with pytest.raises(ValueError, match="row outside"):
-        m.run(*args, one, kp, vp, lst, cap, np.zeros(1, np.int32), logits)
+        m.run(*args, one, kp, vp, lst, cap, klen, np.zeros(1, np.int32), logits)
     assert not k.any()
     # a refused decode step leaves the batch as it was: the same step afterwards gives the same logits
     _, pk_, pv_ = eng.prefill([1, 2, 3])
@@ -402,6 +402,74 @@ def test_bad_input_is_refused_with_a_clear_error(eng):
     fresh = eng.new_batch(1)
     fresh.add(pk_, pv_)
     assert np.array_equal(lo[0], lo[1]) and np.array_equal(lo[0], fresh.step(np.array([4]))[0])
+
+
+def test_buffer_lengths_are_checked_by_the_c_side(eng):
+    """hs_engine.h: every buffer goes with its length and hs_forward / hs_qgemm check them before writing; a
+    too-short KV buffer (a caller's cap or stride bigger than its allocation), logits array or GEMM input is a
+    named refusal with nothing written, never a write past the end."""
+    m, V = eng.native, eng.config.vocab_size
+    L, H, D = m.kv_shape
+    k, v = _kv(m, 4)
+    guard_k = np.zeros(k.size + 4096, np.float32)  # the buffer + a guard region behind what it claims to hold
+    guard_v = np.zeros_like(guard_k)
+    kp, vp = np.array([guard_k.ctypes.data], np.uint64), np.array([guard_v.ctypes.data], np.uint64)
+    ids, pos, row = np.array([1, 2], np.int64), np.array([0, 1], np.int32), np.zeros(2, np.int32)
+    out = np.array([1], np.int32)
+    logits = np.zeros((1, V), np.float32)
+    # cap 8 claimed over a buffer sized for cap 4: refused (HS_E_BUFFER), the guard stays zero
+    with pytest.raises(native.NativeCallRefused, match="buffer shorter") as ei:
+        m.run(ids, pos, row, kp, vp, np.array([H * 8 * D], np.int64), np.array([8], np.int32),
+              np.array([k.size], np.int64), out, logits)
+    assert ei.value.code == m.lib.HS_E_BUFFER and not guard_k.any() and not guard_v.any()
+    with pytest.raises(native.NativeCallRefused, match="buffer shorter"):  # logits for 1 row, 2 asked
+        m.run(ids, pos, row, kp, vp, np.array([H * 4 * D], np.int64), np.array([4], np.int32),
+              np.array([k.size], np.int64), np.array([0, 1], np.int32), logits)
+    with pytest.raises(native.NativeCallRefused, match="lengths disagree"):  # pos shorter than ids
+        m.run(ids, pos[:1], row, kp, vp, np.array([H * 4 * D], np.int64), np.array([4], np.int32),
+              np.array([k.size], np.int64), out, logits)
+    assert not guard_k.any()
+    # the same call with honest lengths runs
+    m.run(ids, pos, row, kp, vp, np.array([H * 4 * D], np.int64), np.array([4], np.int32),
+          np.array([k.size], np.int64), out, logits)
+    assert guard_k[:k.size].any() and not guard_k[k.size:].any()
+    with pytest.raises(native.NativeCallRefused, match="buffer shorter"):
+        x = np.ones((2, eng.config.hidden_size), np.float32)
+        y = np.empty(1, np.float32)
+        rc = m.lib.hs_qgemm(m._scratch, m.model, m._qmats["layer0.qkv"], 2, native._f32(x),
+                            native._ptr("float *", y), y.size)
+        raise native.NativeCallRefused("hs_qgemm", rc, native.error_text(m.lib, rc))
+
+
+def test_packed_file_of_another_model_size_is_refused_by_name(engine_dir, manifest):
+    """The packed tensors' lengths are checked against the config's shapes (hs_model_check): loading weights
+    with a config of another size is a NativeModelUnsupported naming the misshaped part, not a read past the
+    mapped file."""
+    from hetserve.model.checkpoint import LlamaConfig
+
+    info = manifest["engines"]["decode_int8_native"]
+    base = dict(manifest["config"])
+    cases = {"intermediate_size": (base["intermediate_size"] + 64, "layer matrix"),
+             "vocab_size": (base["vocab_size"] + 16, "lm_head / embeddings"),
+             "hidden_size": (base["hidden_size"] + 64, "")}
+    for key, (value, words) in cases.items():
+        cfg = LlamaConfig.from_dict(dict(base, **{key: value}))
+        with pytest.raises(native.NativeUnavailable) as ei:
+            native.NativeModel(Path(engine_dir), info, cfg, isa=ISAS[-1])
+        assert words in str(ei.value), (key, str(ei.value))
+
+
+def test_binding_is_built_from_the_header():
+    """One definition: the structs the binding fills are hs_engine.h's, parsed by cffi; the module defines no
+    ctypes layout of its own, and the source hash that names the compiled library covers the header."""
+    src = (native.SRC_DIR.parent / "native.py").read_text()
+    assert "ctypes.Structure" not in src and "_fields_" not in src
+    assert "hs_engine.h" in native.SOURCES
+    F = native.ffi()
+    assert F.sizeof("hs_model") > 0 and F.typeof("hs_batch").kind == "struct"
+    lib = native.library(ISAS[-1])
+    assert lib.hs_abi() == lib.HS_ABI
+    assert native.error_text(lib, lib.HS_E_TOKEN) == "a token id outside the vocabulary"
 
 
 # ---- 7. unavailable paths and the compile cache --------------------------------------------------------------

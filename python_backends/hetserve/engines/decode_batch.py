@@ -238,6 +238,7 @@ class NativeBatch(_Batch):
         self._vp = self._vb.ctypes.data + np.arange(rows, dtype=np.uint64) * step
         self._lstride = np.full(rows, rows * per_row, np.int64)
         self._caps = np.full(rows, cap, np.int32)
+        self._kvlen = self._kb.size - np.arange(rows, dtype=np.int64) * per_row  # elements from each row's pointer
         self._rowi = np.arange(rows, dtype=np.int32)
         self._ids = np.zeros(rows, np.int64)
         self._pos = np.zeros(rows, np.int32)
@@ -252,6 +253,7 @@ class NativeBatch(_Batch):
         self._ids[:n] = tokens
         self._pos[:n] = self.lens[:n]
         out = self._model.run(self._ids[:n], self._pos[:n], self._rowi[:n], self._kp[:n], self._vp[:n],
-                              self._lstride[:n], self._caps[:n], self._rowi[:n], self._logits, kv16=True)
+                              self._lstride[:n], self._caps[:n], self._kvlen[:n], self._rowi[:n], self._logits,
+                              kv16=True)
         self.lens[:n] += 1
         return out

@@ -11,6 +11,10 @@ and block at run time, int32 dot products (llama.cpp's Q8_0 x Q8_0 scheme at Q8_
 blocks of 16). Norms, RoPE, softmax and
 attention in fp32; embeddings fp32; KV in the wire layout, fp32 in prefill jobs and fp16 in the decode batch.
 
+Interface: native/hs_engine.h is the one definition of the C structs and calls; this module's binding is built
+from it by cffi (ABI mode, the header's cdef section), so no layout is mirrored by hand. Every buffer is passed
+with its length and the C side checks it against the shape (a mismatch is an error naming it, not an overwrite).
+
 Build: the C source is compiled on first use for this CPU (AVX-512 VNNI, else AVX2 + FMA + F16C) with the system's
 C compiler into HETSERVE_NATIVE_CACHE (a file lock makes concurrent servers wait for one compile); `hetserve build`
 compiles it once up front. The packed weights are one file in the engine dir (`llm_native_int8.bin`, 64-byte
@@ -18,7 +22,6 @@ aligned tensors, index in `llm_native_int8.json`), memory-mapped read-only: serv
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -37,8 +40,7 @@ from .. import config
 log = logging.getLogger("hetserve.native")
 
 SRC_DIR = Path(__file__).resolve().parent / "native"
-SOURCES = ("hs_engine.c", "hs_gemm.h", "hs_simd.h")
-ABI = 4  # hs_engine.c HS_ABI (4: per-layer biases and sliding window)
+SOURCES = ("hs_engine.h", "hs_engine.c", "hs_gemm.h", "hs_simd.h")
 FORMAT = 2  # packed weight file layout (hs_gemm.h); bump when it changes (2: uint8 block scales)
 ISA_FLAGS = {
     "avx512": ["-DHS_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2",
@@ -54,12 +56,6 @@ ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx5
 # all 16: 0.00251 / 95.8%. All 16 is the default: only it keeps the INT8 KLD under 0.7x Q8_0's
 # (tests/test_quality.py); its step costs are in loadtest/README.md.
 NATIVE_BLOCKS = {"qkv": 16, "o": 16, "gate_up": 16, "down": 16, "lm_head": 16}
-ERRORS = {-1: "a position outside the sequence's KV buffer or the model's max_position", -2: "a token id outside "
-          "the vocabulary", -3: "out of memory", -4: "an output index outside the tokens", -5: "a row outside the "
-          "sequences", -6: "a negative count"}
-CHECK_ERRORS = {-1: "head_dim / hidden / intermediate sizes this build cannot handle (head_dim must be a multiple "
-                "of the vector width and <= 256)", -2: "a layer matrix with the wrong shape or block size",
-                -3: "lm_head / embeddings / norms missing or misshaped"}
 
 
 class NativeUnavailable(RuntimeError):
@@ -145,52 +141,72 @@ def library_path(isa: str) -> Path:
     return out
 
 
-_LIBS: Dict[str, ctypes.CDLL] = {}
+def cdef_source() -> str:
+    """The declarations of native/hs_engine.h between its cdef markers (what cffi parses)."""
+    text = (SRC_DIR / "hs_engine.h").read_text()
+    return text.split("/* cdef begin", 1)[1].split("/* cdef end */", 1)[0].split("*/", 1)[1]
+
+
+_FFI = None
+_LIBS: Dict[str, object] = {}
 _LIBS_LOCK = threading.Lock()
 
 
-class QMatC(ctypes.Structure):
-    _fields_ = [("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("d", ctypes.c_void_p), ("N", ctypes.c_int32),
-                ("K", ctypes.c_int32), ("bs", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+def ffi():
+    """The cffi FFI declared from hs_engine.h (one per process)."""
+    global _FFI
+    with _LIBS_LOCK:
+        if _FFI is None:
+            import cffi
+
+            f = cffi.FFI()
+            f.cdef(cdef_source())
+            _FFI = f
+        return _FFI
 
 
-class LayerC(ctypes.Structure):
-    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", QMatC), ("o", QMatC),
-                ("gate_up", QMatC), ("down", QMatC), ("qkv_b", ctypes.c_void_p), ("o_b", ctypes.c_void_p),
-                ("gate_up_b", ctypes.c_void_p), ("down_b", ctypes.c_void_p), ("window", ctypes.c_int32),
-                ("pad_", ctypes.c_int32)]
-
-
-class ModelC(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("L", "C", "H", "KVH", "D", "I", "V", "max_pos")] + [  # type: ignore
-        ("eps", ctypes.c_float), ("pad_", ctypes.c_int32), ("embed", ctypes.c_void_p),
-        ("final_norm", ctypes.c_void_p), ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
-        ("lm_head", QMatC), ("layers", ctypes.c_void_p)]
-
-
-def library(isa: Optional[str] = None) -> ctypes.CDLL:
-    """The loaded engine library for `isa` (default: pick_isa()), compiled if needed."""
+def library(isa: Optional[str] = None):
+    """The loaded engine library for `isa` (default: pick_isa()), compiled if needed: a cffi lib whose functions
+    and constants are hs_engine.h's (cffi releases the GIL while C runs)."""
     isa = isa or pick_isa()
+    F = ffi()
     with _LIBS_LOCK:
         if isa not in _LIBS:
             path = library_path(isa)
             try:
-                lib = ctypes.CDLL(str(path))
+                lib = F.dlopen(str(path))
             except OSError as e:  # a truncated / foreign file in the cache
                 raise NativeUnavailable(f"cannot load {path} ({e}); delete it to rebuild") from None
-            if lib.hs_abi() != ABI:
-                raise NativeUnavailable(f"native engine ABI {lib.hs_abi()} != {ABI}: stale build cache?")
-            vp, i32 = ctypes.c_void_p, ctypes.c_int32
-            lib.hs_forward.argtypes = [vp, vp, i32, vp, vp, vp, i32, vp, vp, vp, vp, i32, i32, vp, vp]
-            lib.hs_forward.restype = i32
-            lib.hs_model_check.argtypes = [vp]
-            lib.hs_scratch_new.restype = vp
-            lib.hs_scratch_free.argtypes = [vp]
-            lib.hs_profile.argtypes = [vp, vp]
-            lib.hs_qgemm.argtypes = [vp, vp, vp, i32, vp, vp]
-            lib.hs_qgemm.restype = i32
+            if lib.hs_abi() != lib.HS_ABI:
+                raise NativeUnavailable(f"native engine ABI {lib.hs_abi()} != hs_engine.h's {lib.HS_ABI}: stale "
+                                        f"build cache? delete {path}")
             _LIBS[isa] = lib
         return _LIBS[isa]
+
+
+def error_text(lib, rc: int) -> str:
+    """hs_error's name for a return code."""
+    return ffi().string(lib.hs_error(rc)).decode()
+
+
+class NativeCallRefused(ValueError):
+    """hs_forward / hs_qgemm returned an error code (`code`, one of hs_engine.h's HS_E_*); nothing was written."""
+
+    def __init__(self, what: str, code: int, text: str):
+        super().__init__(f"{what}: {text}")
+        self.code = code
+
+
+def _ptr(ctype: str, a: Optional[np.ndarray]):
+    F = ffi()
+    return F.NULL if a is None else F.cast(ctype, a.ctypes.data)
+
+
+def _f32(a: Optional[np.ndarray]) -> dict:
+    """hs_f32 of a float32 array (p NULL, n 0 for None)."""
+    if a is not None and (a.dtype != np.float32 or not a.flags.c_contiguous):
+        raise TypeError(f"hs_f32 needs C-contiguous float32, got {a.dtype}")
+    return {"p": _ptr("const float *", a), "n": 0 if a is None else a.size}
 
 
 # ---- packing (hetserve build) ---------------------------------------------------------------------------------
@@ -331,14 +347,15 @@ def build_native_int8(ckpt, out_dir: Path, blocks: Optional[Dict[str, int]] = No
 
 # ---- the model at run time --------------------------------------------------------------------------------------
 class NativeModel:
-    """Packed weights mapped from the engine dir + the C model struct. `run` is one hs_forward call; calls are
-    serialized (one scratch per model), and ctypes releases the GIL while C runs."""
+    """Packed weights mapped from the engine dir + the C model struct (hs_engine.h's hs_model, every tensor with
+    its length). `run` is one hs_forward call; calls are serialized (one scratch per model)."""
 
     def __init__(self, engine_dir: Path, info: dict, cfg, isa: Optional[str] = None):
         from ..model import rope
 
         self.isa = isa or pick_isa()
         self.lib = library(self.isa)
+        F = self.ffi = ffi()
         meta = json.loads((engine_dir / info["index"]).read_text())
         if meta.get("format") != FORMAT:
             raise NativeUnavailable(f"{info['index']}: packed format {meta.get('format')} != {FORMAT}: rebuild "
@@ -348,41 +365,51 @@ class NativeModel:
 
         def arr(key):
             o, dt, shape = t[key]
-            n = int(np.prod(shape)) * np.dtype(dt).itemsize
-            return np.frombuffer(self._map, dtype=dt, count=int(np.prod(shape)), offset=o).reshape(shape) if n else None
+            n = int(np.prod(shape))
+            return np.frombuffer(self._map, dtype=dt, count=n, offset=o).reshape(shape) if n else None
 
-        self._qmats: Dict[str, QMatC] = {}
+        self._qmats: Dict[str, object] = {}
 
-        def qmat(key, N, K):
+        def qmat(key: str, N: int, K: int) -> dict:
             q, s, d = arr(key + ".q"), arr(key + ".s"), arr(key + ".d")
-            self._qmats[key] = QMatC(q.ctypes.data, s.ctypes.data, d.ctypes.data, N, K, int(t[key + ".bs"][0]), 0)
-            return self._qmats[key]
+            self._qmats[key] = F.new("hs_qmat *", {
+                "q": _ptr("const uint8_t *", q), "q_len": 0 if q is None else q.size,
+                "s": _ptr("const uint8_t *", s), "s_len": 0 if s is None else s.size,
+                "d": _f32(d), "N": N, "K": K, "bs": int(t[key + ".bs"][0])})
+            return self._qmats[key][0]
+
+        def bias(key):  # p NULL where the model has no such bias
+            return _f32(arr(key) if key in t else None)
 
         c = cfg
         self.cfg = c
         L, C, H, KVH, D = c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         shapes = matrix_shapes(c)
-        cos, sin = rope.tables(c.rope, D, c.max_position)
+        cos, sin = (np.ascontiguousarray(a, np.float32) for a in rope.tables(c.rope, D, c.max_position))
         self._keep = [cos, sin]  # the C struct points into them
-        layers = (LayerC * L)()
-        def bias(key):  # NULL (None) where the model has no such bias
-            return arr(key).ctypes.data if key in t else None
-
+        layers = F.new("hs_layer[]", max(L, 1))
+        kinds = ("qkv", "o", "gate_up", "down")
         for li in range(L):
-            kinds = ("qkv", "o", "gate_up", "down")
-            layers[li] = LayerC(arr(f"layer{li}.in_norm").ctypes.data, arr(f"layer{li}.post_norm").ctypes.data,
-                                *(qmat(f"layer{li}.{kind}", *shapes[kind]) for kind in kinds),
-                                *(bias(f"layer{li}.{kind}.bias") for kind in kinds), int(c.layer_windows[li]), 0)
+            y = layers[li]
+            y.in_norm, y.post_norm = _f32(arr(f"layer{li}.in_norm")), _f32(arr(f"layer{li}.post_norm"))
+            for kind in kinds:
+                setattr(y, kind, qmat(f"layer{li}.{kind}", *shapes[kind]))
+                setattr(y, kind + "_b", bias(f"layer{li}.{kind}.bias"))
+            y.window = int(c.layer_windows[li])
         self._layers = layers
-        self.model = ModelC(L, C, H, KVH, D, c.intermediate_size, c.vocab_size, c.max_position,
-                            float(c.rms_norm_eps), 0, arr("embed").ctypes.data, arr("final_norm").ctypes.data,
-                            cos.ctypes.data, sin.ctypes.data, qmat("lm_head", *shapes["lm_head"]),
-                            ctypes.addressof(layers))
-        rc = self.lib.hs_model_check(ctypes.byref(self.model))
+        self.model = F.new("hs_model *", {
+            "L": L, "C": C, "H": H, "KVH": KVH, "D": D, "I": c.intermediate_size, "V": c.vocab_size,
+            "max_pos": c.max_position, "eps": float(c.rms_norm_eps), "embed": _f32(arr("embed")),
+            "final_norm": _f32(arr("final_norm")), "rope_cos": _f32(cos), "rope_sin": _f32(sin),
+            "layers": layers, "n_layers": L})
+        self.model.lm_head = qmat("lm_head", *shapes["lm_head"])
+        rc = self.lib.hs_model_check(self.model)
         if rc:
             raise NativeModelUnsupported(f"native engine ({self.isa}) cannot run this model: "
-                                         f"{CHECK_ERRORS.get(rc, rc)}")
-        self._scratch: Optional[ctypes.c_void_p] = ctypes.c_void_p(self.lib.hs_scratch_new())
+                                         f"{error_text(self.lib, rc)}")
+        self._scratch = self.lib.hs_scratch_new()
+        if self._scratch == F.NULL:
+            raise MemoryError("hs_scratch_new")
         self._lock = threading.Lock()
         self.kv_shape = (L, KVH, D)
 
@@ -393,52 +420,72 @@ class NativeModel:
         """Seconds per section of hs_forward since the last call (then reset)."""
         out = np.zeros(len(self.PROFILE_SECTIONS), np.float64)
         with self._lock:
-            self.lib.hs_profile(self._scratch, out.ctypes.data)
+            n = self.lib.hs_profile(self._scratch, _ptr("double *", out), len(out))
+        if n != len(out):
+            raise RuntimeError(f"hs_profile: {n} sections, the binding names {len(out)}")
         return dict(zip(self.PROFILE_SECTIONS, out.tolist()))
 
     def close(self) -> None:
-        if getattr(self, "_scratch", None):
-            self.lib.hs_scratch_free(self._scratch)
-            self._scratch = None
+        with getattr(self, "_lock", threading.Lock()):
+            if getattr(self, "_scratch", None) is not None:
+                self.lib.hs_scratch_free(self._scratch)
+                self._scratch = None
 
     def __del__(self):
         try:
             self.close()
-        except Exception:
+        except Exception:  # interpreter shutdown: the library may be gone already
             pass
 
     def run(self, ids: np.ndarray, pos: np.ndarray, row: np.ndarray, kv_k: np.ndarray, kv_v: np.ndarray,
-            lstride: np.ndarray, cap: np.ndarray, out_idx: np.ndarray, logits: np.ndarray,
+            lstride: np.ndarray, cap: np.ndarray, kv_len: np.ndarray, out_idx: np.ndarray, logits: np.ndarray,
             kv16: bool = False) -> np.ndarray:
         """One hs_forward: ids int64 [M], pos/row int32 [M], per-sequence kv_k/kv_v pointers (uint64 [R]),
-        lstride int64 [R] (elements between layers), cap int32 [R] (positions per head), KV elements fp16 if kv16
-        else fp32, out_idx int32 [n_out], logits float32 [>= n_out, V] (written). The arrays must be C-contiguous
-        of exactly those dtypes."""
-        M, R, n = len(ids), len(kv_k), len(out_idx)
+        lstride int64 [R] (elements between layers), cap int32 [R] (positions per head), kv_len int64 [R]
+        (elements each K and V buffer holds from its pointer), KV elements fp16 if kv16 else fp32, out_idx int32
+        [n_out], logits float32 [>= n_out, V] (written). Every array's length goes with it and hs_forward checks
+        them all before writing anything (NativeCallRefused)."""
+        for name, a, dt in (("ids", ids, np.int64), ("pos", pos, np.int32), ("row", row, np.int32),
+                            ("kv_k", kv_k, np.uint64), ("kv_v", kv_v, np.uint64), ("lstride", lstride, np.int64),
+                            ("cap", cap, np.int32), ("kv_len", kv_len, np.int64), ("out_idx", out_idx, np.int32),
+                            ("logits", logits, np.float32)):
+            if a.dtype != dt or not a.flags.c_contiguous:
+                raise TypeError(f"native run: {name} must be C-contiguous {np.dtype(dt).name}, got {a.dtype}")
+        R = len(kv_k)
+        if not (len(kv_v) == len(lstride) == len(cap) == len(kv_len) == R):
+            raise ValueError(f"native run: per-sequence arrays differ in length ({len(kv_k)}, {len(kv_v)}, "
+                             f"{len(lstride)}, {len(cap)}, {len(kv_len)})")
+        F = self.ffi
+        b = F.new("hs_batch *", {
+            "ids": {"p": _ptr("const int64_t *", ids), "n": len(ids)},
+            "pos": {"p": _ptr("const int32_t *", pos), "n": len(pos)},
+            "row": {"p": _ptr("const int32_t *", row), "n": len(row)},
+            "n_rows": R, "kv16": int(kv16), "kv_k": _ptr("void * const *", kv_k), "kv_v": _ptr("void * const *", kv_v),
+            "lstride": _ptr("const int64_t *", lstride), "cap": _ptr("const int32_t *", cap),
+            "kv_len": _ptr("const int64_t *", kv_len),
+            "out_idx": {"p": _ptr("const int32_t *", out_idx), "n": len(out_idx)},
+            "logits": _ptr("float *", logits), "logits_len": logits.size})
         with self._lock:
             if self._scratch is None:
                 raise RuntimeError("native engine closed")
-            rc = self.lib.hs_forward(ctypes.byref(self.model), self._scratch, M, ids.ctypes.data, pos.ctypes.data,
-                                     row.ctypes.data, R, kv_k.ctypes.data, kv_v.ctypes.data, lstride.ctypes.data,
-                                     cap.ctypes.data, int(kv16), n, out_idx.ctypes.data, logits.ctypes.data)
+            rc = self.lib.hs_forward(self.model, self._scratch, b)
         if rc:
-            raise ValueError(f"native engine refused the call: {ERRORS.get(rc, rc)}")
-        return logits[:n]
+            raise NativeCallRefused("native engine refused the call", rc, error_text(self.lib, rc))
+        return logits[:len(out_idx)]
 
     def qgemm(self, name: str, x: np.ndarray) -> np.ndarray:
         """x [M, K] float32 times the packed matrix `name` ("layer0.qkv", "lm_head", ...): the GEMM alone."""
         W = self._qmats[name]
-        if self._scratch is None:
-            raise RuntimeError("native engine closed")
         x = np.ascontiguousarray(x, np.float32)
         if x.ndim != 2 or x.shape[1] != W.K:
             raise ValueError(f"x must be [M, {W.K}], got {x.shape}")
         y = np.empty((x.shape[0], W.N), np.float32)
         with self._lock:
-            rc = self.lib.hs_qgemm(self._scratch, ctypes.byref(self.model), ctypes.byref(W), x.shape[0],
-                                   x.ctypes.data, y.ctypes.data)
+            if self._scratch is None:
+                raise RuntimeError("native engine closed")
+            rc = self.lib.hs_qgemm(self._scratch, self.model, W, x.shape[0], _f32(x), _ptr("float *", y), y.size)
         if rc:
-            raise ValueError(f"native GEMM refused: {ERRORS.get(rc, rc)}")
+            raise NativeCallRefused("native GEMM refused", rc, error_text(self.lib, rc))
         return y
 
     def run_sequences(self, seqs: Sequence[Tuple[Sequence[int], int, np.ndarray, np.ndarray]],
@@ -453,7 +500,7 @@ class NativeModel:
         pos = np.empty(M, np.int32)
         row = np.empty(M, np.int32)
         kk, vv = np.empty(R, np.uint64), np.empty(R, np.uint64)
-        lstride, cap = np.empty(R, np.int64), np.empty(R, np.int32)
+        lstride, cap, kv_len = np.empty(R, np.int64), np.empty(R, np.int32), np.empty(R, np.int64)
         t = 0
         out = []
         kv16 = bool(seqs) and seqs[0][2].dtype == np.float16
@@ -464,7 +511,7 @@ class NativeModel:
             pos[t:t + n] = np.arange(start, start + n)
             row[t:t + n] = r
             kk[r], vv[r] = k.ctypes.data, v.ctypes.data
-            lstride[r], cap[r] = k.shape[1] * k.shape[2] * k.shape[3], k.shape[2]
+            lstride[r], cap[r], kv_len[r] = k.shape[1] * k.shape[2] * k.shape[3], k.shape[2], k.size
             if n and (want is None or want[r]):
                 out.append((r, t + n - 1))
             t += n
@@ -473,7 +520,7 @@ class NativeModel:
             return logits
         sel = np.asarray([o for _, o in out], np.int32)
         got = np.empty((max(1, len(sel)), self.cfg.vocab_size), np.float32)
-        self.run(ids, pos, row, kk, vv, lstride, cap, sel, got, kv16)
+        self.run(ids, pos, row, kk, vv, lstride, cap, kv_len, sel, got, kv16)
         for i, (r, _) in enumerate(out):
             logits[r] = got[i]
         return logits

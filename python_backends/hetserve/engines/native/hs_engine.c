@@ -14,73 +14,89 @@
    logits = (rms(h) * w_norm) Wlm^T for the requested tokens. Norms, RoPE, softmax and attention in fp32.
 
    KV of sequence r: element (layer l, kv head g, position p, d) at kv_k[r][l * lstride[r] + (g * cap[r] + p) * D + d]
-   (the wire layout [L, KVH, cap, D] when lstride = KVH * cap * D), fp32 or fp16 elements. */
+   (the wire layout [L, KVH, cap, D] when lstride = KVH * cap * D), fp32 or fp16 elements.
+
+   The interface (structs, calls, return codes, buffer lengths) is hs_engine.h. */
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "hs_engine.h"
 #include "hs_gemm.h"
 #include "hs_simd.h"
 
-#define HS_ABI 4
-
-typedef struct {
-    const float* in_norm;
-    const float* post_norm;
-    QMat qkv, o, gate_up, down;
-    /* biases added after each GEMM (NULL: none): [qkv N], [C], [2 I], [C] */
-    const float *qkv_b, *o_b, *gate_up_b, *down_b;
-    int32_t window; /* attend to the last `window` positions, the token's own included; 0: all */
-    int32_t pad_;
-} Layer;
-
-typedef struct {
-    int32_t L, C, H, KVH, D, I, V, max_pos;
-    float eps;
-    int32_t pad_;
-    const float* embed;      /* [V, C] */
-    const float* final_norm; /* [C] */
-    const float* rope_cos;   /* [max_pos, D / 2] */
-    const float* rope_sin;
-    QMat lm_head; /* [V, C] */
-    const Layer* layers;
-} Model;
+typedef hs_layer Layer;
+typedef hs_model Model;
 
 /* per-section time of the last calls (hs_profile): where a step goes, for loadtest/README.md */
 enum { P_NORM, P_QUANT, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_GATE_UP, P_SILU, P_DOWN, P_LM_HEAD, P_N };
 
-typedef struct {
+struct hs_scratch {
     double t[P_N];
     size_t tokens, ctx;
     float *h, *x, *qkv, *gu, *act, *scores, *kb;
     int8_t* xq;
     float* xs;
     int32_t* xc;
-} Scratch;
+};
+typedef hs_scratch Scratch;
 
 int hs_abi(void) { return HS_ABI; }
+
+const char* hs_error(int code) {
+    switch (code) {
+        case HS_OK: return "ok";
+        case HS_E_POSITION: return "a position outside the sequence's KV buffer or the model's max_position";
+        case HS_E_TOKEN: return "a token id outside the vocabulary";
+        case HS_E_NOMEM: return "out of memory";
+        case HS_E_OUT_INDEX: return "an output index outside the tokens";
+        case HS_E_ROW: return "a row outside the sequences";
+        case HS_E_COUNT: return "a negative count, or arrays of one call whose lengths disagree";
+        case HS_E_BUFFER: return "a buffer shorter than its shape needs (KV, logits, x or y), or a NULL one";
+        case HS_E_SHAPE: return "head_dim / hidden / intermediate sizes this build cannot handle (head_dim must be "
+                                "a multiple of the vector width and <= 256, at most 64 query heads per KV head)";
+        case HS_E_MATRIX: return "a layer matrix or bias with the wrong shape, block size or buffer length";
+        case HS_E_TENSOR: return "lm_head / embeddings / norms / RoPE tables / layers missing or misshaped";
+        default: return "unknown error code";
+    }
+}
 
 typedef void (*attend_fn)(const float*, int, const void*, const void*, int, int, float, float*, float*, float*,
                           const char*, const char*, size_t);
 static attend_fn pick_attend(int D);
 
+/* a buffer of exactly n elements (n > 0) */
+static int f32_is(hs_f32 b, int64_t n) { return b.p && n > 0 && b.n == n; }
+/* an optional bias: absent, or exactly n elements */
+static int bias_ok(hs_f32 b, int64_t n) { return !b.p || b.n == n; }
+
 static int qmat_ok(const QMat* q, int N, int K) {
-    return q->q && q->s && q->d && q->N == N && q->K == K && N % 16 == 0 && (q->bs == 16 || q->bs == 32) &&
-           K % q->bs == 0 && K <= HS_MAX_K;
+    if (q->N != N || q->K != K || N <= 0 || K <= 0 || N % 16 || (q->bs != 16 && q->bs != 32) || K % q->bs ||
+        K > HS_MAX_K)
+        return 0;
+    return q->q && q->s && q->q_len == (int64_t)N * K && q->s_len == (int64_t)N * (K / q->bs) && f32_is(q->d, N);
 }
 
-/* 0 when this build handles the model's shapes, else a negative code (engines/native.py names them) */
 int hs_model_check(const Model* m) {
-    if (m->D % VW || !pick_attend(m->D) || m->H % m->KVH || m->H / m->KVH > 64 || m->C % VW || m->I % VW) return -1;
+    if (m->L < 0 || m->C <= 0 || m->H <= 0 || m->KVH <= 0 || m->D <= 0 || m->I <= 0 || m->V <= 0 || m->max_pos <= 0)
+        return HS_E_SHAPE;
+    if (m->D % VW || !pick_attend(m->D) || m->H % m->KVH || m->H / m->KVH > 64 || m->C % VW || m->I % VW)
+        return HS_E_SHAPE;
+    if (!m->layers || m->n_layers != m->L) return HS_E_TENSOR;
+    const int qkvn = (m->H + 2 * m->KVH) * m->D;
     for (int l = 0; l < m->L; l++) {
         const Layer* y = &m->layers[l];
-        if (!qmat_ok(&y->qkv, (m->H + 2 * m->KVH) * m->D, m->C) || !qmat_ok(&y->o, m->C, m->H * m->D) ||
-            !qmat_ok(&y->gate_up, 2 * m->I, m->C) || !qmat_ok(&y->down, m->C, m->I) || !y->in_norm ||
-            !y->post_norm || y->window < 0)
-            return -2;
+        if (!qmat_ok(&y->qkv, qkvn, m->C) || !qmat_ok(&y->o, m->C, m->H * m->D) ||
+            !qmat_ok(&y->gate_up, 2 * m->I, m->C) || !qmat_ok(&y->down, m->C, m->I) || !f32_is(y->in_norm, m->C) ||
+            !f32_is(y->post_norm, m->C) || y->window < 0 || !bias_ok(y->qkv_b, qkvn) || !bias_ok(y->o_b, m->C) ||
+            !bias_ok(y->gate_up_b, 2 * (int64_t)m->I) || !bias_ok(y->down_b, m->C))
+            return HS_E_MATRIX;
     }
-    if (!qmat_ok(&m->lm_head, m->V, m->C) || !m->embed || !m->final_norm || !m->rope_cos || !m->rope_sin) return -3;
-    return 0;
+    const int64_t rope_n = (int64_t)m->max_pos * (m->D / 2);
+    if (!qmat_ok(&m->lm_head, m->V, m->C) || !f32_is(m->embed, (int64_t)m->V * m->C) ||
+        !f32_is(m->final_norm, m->C) || !f32_is(m->rope_cos, rope_n) || !f32_is(m->rope_sin, rope_n))
+        return HS_E_TENSOR;
+    return HS_OK;
 }
 
 Scratch* hs_scratch_new(void) { return (Scratch*)calloc(1, sizeof(Scratch)); }
@@ -100,8 +116,8 @@ static inline double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* seconds per section summed over calls since the last read (out[P_N]); resets the sums */
-int hs_profile(Scratch* s, double* out) {
+int hs_profile(Scratch* s, double* out, int n) {
+    if (n < P_N) return HS_E_BUFFER;
     memcpy(out, s->t, sizeof(s->t));
     memset(s->t, 0, sizeof(s->t));
     return P_N;
@@ -359,45 +375,57 @@ static double qgemm(Scratch* s, const float* x, int ldx, int M, const QMat* W, f
 /* first position a token at `pos` attends to in this layer (sliding window) */
 static inline int win_start(const Layer* y, int pos) { return y->window && pos + 1 > y->window ? pos + 1 - y->window : 0; }
 
-/* One forward pass over M tokens. Token t is at position pos[t] of sequence row[t] (0 <= row[t] < R): its K/V are
-   written there and it attends to positions 0..pos[t] of that sequence, so a sequence's earlier positions must hold
-   KV already or be tokens of this call. KV elements are fp32, or fp16 when kv16 (rounded to nearest even on
-   store). Logits of the tokens out_idx[0..n_out) go to logits [n_out, V].
-   Returns 0, or -1 a position outside [0, cap) / [0, max_pos), -2 a token id outside [0, V), -3 out of memory,
-   -4 an out_idx outside [0, M), -5 a row outside [0, R), -6 M or n_out < 0. */
-int hs_forward(const Model* m, Scratch* s, int32_t M, const int64_t* ids, const int32_t* pos, const int32_t* row,
-               int32_t R, void* const* kv_k, void* const* kv_v, const int64_t* lstride, const int32_t* cap,
-               int32_t kv16, int32_t n_out, const int32_t* out_idx, float* logits) {
-    if (M < 0 || n_out < 0) return -6;
+/* One forward pass (hs_engine.h: hs_batch). Every count and buffer length is checked before anything is
+   written, so a refused call leaves the KV buffers as they were. */
+int hs_forward(const Model* m, Scratch* s, const hs_batch* b) {
+    const int64_t M64 = b->ids.n, n_out64 = b->out_idx.n, R = b->n_rows;
+    if (M64 < 0 || n_out64 < 0 || R < 0 || M64 > INT32_MAX || n_out64 > INT32_MAX) return HS_E_COUNT;
+    if (b->pos.n != M64 || b->row.n != M64) return HS_E_COUNT;
+    const int32_t M = (int32_t)M64, n_out = (int32_t)n_out64;
+    const int64_t* ids = b->ids.p;
+    const int32_t *pos = b->pos.p, *row = b->row.p, *out_idx = b->out_idx.p, *cap = b->cap;
+    void* const* kv_k = b->kv_k;
+    void* const* kv_v = b->kv_v;
+    const int64_t* lstride = b->lstride;
+    const int kv16 = b->kv16 != 0;
+    float* logits = b->logits;
+    if ((M && (!ids || !pos || !row)) || (n_out && (!out_idx || !logits))) return HS_E_BUFFER;
+    if (R && (!kv_k || !kv_v || !lstride || !cap || !b->kv_len)) return HS_E_BUFFER;
+    if (b->logits_len < n_out64 * m->V) return HS_E_BUFFER;
     const int C = m->C, H = m->H, KVH = m->KVH, D = m->D, I = m->I;
     const int qw = H * D, kvw = KVH * D, qkvw = qw + 2 * kvw, group = H / KVH;
     const size_t esz = kv16 ? 2 : 4;
+    for (int64_t r = 0; r < R; r++) { /* each sequence's buffers hold every (layer, head, position < cap) */
+        if (cap[r] < 0 || lstride[r] < 0) return HS_E_COUNT;
+        const int64_t need = (int64_t)(m->L - 1) * lstride[r] + (int64_t)KVH * cap[r] * D;
+        if (cap[r] && (!kv_k[r] || !kv_v[r] || b->kv_len[r] < need)) return HS_E_BUFFER;
+    }
     int maxpos = 0;
     for (int t = 0; t < M; t++) {
-        if (row[t] < 0 || row[t] >= R) return -5;
-        if (pos[t] < 0 || pos[t] >= cap[row[t]] || pos[t] >= m->max_pos) return -1;
-        if (ids[t] < 0 || ids[t] >= m->V) return -2;
+        if (row[t] < 0 || row[t] >= R) return HS_E_ROW;
+        if (pos[t] < 0 || pos[t] >= cap[row[t]] || pos[t] >= m->max_pos) return HS_E_POSITION;
+        if (ids[t] < 0 || ids[t] >= m->V) return HS_E_TOKEN;
         if (pos[t] > maxpos) maxpos = pos[t];
     }
     for (int i = 0; i < n_out; i++)
-        if (out_idx[i] < 0 || out_idx[i] >= M) return -4;
+        if (out_idx[i] < 0 || out_idx[i] >= M) return HS_E_OUT_INDEX;
     if (M == 0) return 0;
-    if (scratch_fit(s, m, (size_t)(M > n_out ? M : n_out), (size_t)maxpos + 1)) return -3;
+    if (scratch_fit(s, m, (size_t)(M > n_out ? M : n_out), (size_t)maxpos + 1)) return HS_E_NOMEM;
     const attend_fn attend = pick_attend(D);
     const float scale = 1.0f / sqrtf((float)D);
     float* h = s->h;
     double t = now_s(), u;
-    for (int i = 0; i < M; i++) memcpy(h + (size_t)i * C, m->embed + (size_t)ids[i] * C, (size_t)C * 4);
+    for (int i = 0; i < M; i++) memcpy(h + (size_t)i * C, m->embed.p + (size_t)ids[i] * C, (size_t)C * 4);
     for (int l = 0; l < m->L; l++) {
         const Layer* y = &m->layers[l];
-        for (int i = 0; i < M; i++) rms_norm(h + (size_t)i * C, y->in_norm, s->x + (size_t)i * C, C, m->eps);
+        for (int i = 0; i < M; i++) rms_norm(h + (size_t)i * C, y->in_norm.p, s->x + (size_t)i * C, C, m->eps);
         u = now_s(); s->t[P_NORM] += u - t;
         t = qgemm(s, s->x, C, M, &y->qkv, s->qkv, qkvw, 0, u, P_QKV);
-        add_bias(s->qkv, qkvw, M, y->qkv_b, qkvw);
+        add_bias(s->qkv, qkvw, M, y->qkv_b.p, qkvw);
         for (int i = 0; i < M; i++) { /* RoPE on q and k, then K/V into the sequence's buffer */
             float* q = s->qkv + (size_t)i * qkvw;
-            const float* c = m->rope_cos + (size_t)pos[i] * (D / 2);
-            const float* sn = m->rope_sin + (size_t)pos[i] * (D / 2);
+            const float* c = m->rope_cos.p + (size_t)pos[i] * (D / 2);
+            const float* sn = m->rope_sin.p + (size_t)pos[i] * (D / 2);
             for (int hh = 0; hh < H + KVH; hh++) rope(q + (size_t)hh * D, c, sn, D);
             const int r = row[i];
             char* kl = (char*)kv_k[r] + (size_t)l * lstride[r] * esz;
@@ -432,30 +460,34 @@ int hs_forward(const Model* m, Scratch* s, int32_t M, const int64_t* ids, const 
         }
         u = now_s(); s->t[P_ATTN] += u - t;
         t = qgemm(s, s->x, qw, M, &y->o, h, C, 1, u, P_O);
-        add_bias(h, C, M, y->o_b, C);
-        for (int i = 0; i < M; i++) rms_norm(h + (size_t)i * C, y->post_norm, s->x + (size_t)i * C, C, m->eps);
+        add_bias(h, C, M, y->o_b.p, C);
+        for (int i = 0; i < M; i++) rms_norm(h + (size_t)i * C, y->post_norm.p, s->x + (size_t)i * C, C, m->eps);
         u = now_s(); s->t[P_NORM] += u - t;
         t = qgemm(s, s->x, C, M, &y->gate_up, s->gu, 2 * I, 0, u, P_GATE_UP);
-        add_bias(s->gu, 2 * I, M, y->gate_up_b, 2 * I);
+        add_bias(s->gu, 2 * I, M, y->gate_up_b.p, 2 * I);
         for (int i = 0; i < M; i++) silu_mul(s->gu + (size_t)i * 2 * I, I, s->act + (size_t)i * I);
         u = now_s(); s->t[P_SILU] += u - t;
         t = qgemm(s, s->act, I, M, &y->down, h, C, 1, u, P_DOWN);
-        add_bias(h, C, M, y->down_b, C);
+        add_bias(h, C, M, y->down_b.p, C);
     }
     if (n_out == 0) return 0;
     for (int i = 0; i < n_out; i++)
-        rms_norm(h + (size_t)out_idx[i] * C, m->final_norm, s->x + (size_t)i * C, C, m->eps);
+        rms_norm(h + (size_t)out_idx[i] * C, m->final_norm.p, s->x + (size_t)i * C, C, m->eps);
     u = now_s(); s->t[P_NORM] += u - t;
     qgemm(s, s->x, C, n_out, &m->lm_head, logits, m->V, 0, u, P_LM_HEAD);
     return 0;
 }
 
-/* y [M, N] = x W^T for a float x [M, K]: the GEMM alone (activation quantization included), for unit tests */
-int hs_qgemm(Scratch* s, const Model* m, const QMat* W, int32_t M, const float* x, float* y) {
-    if (M < 0 || W->K > HS_MAX_K || W->N % 16 || (W->bs != 16 && W->bs != 32) || W->K % W->bs) return -6;
-    if ((size_t)W->K > max_k(m)) return -6;
-    if (scratch_fit(s, m, (size_t)M, 1)) return -3;
-    hs_quant_rows(x, W->K, M, W->K, W->bs, s->xq, s->xs, s->xc);
+int hs_qgemm(Scratch* s, const Model* m, const QMat* W, int32_t M, hs_f32 x, float* y, int64_t y_len) {
+    if (M < 0 || W->K > HS_MAX_K || W->N <= 0 || W->N % 16 || (W->bs != 16 && W->bs != 32) || W->K % W->bs)
+        return HS_E_COUNT;
+    if ((size_t)W->K > max_k(m)) return HS_E_COUNT;
+    if (!W->q || !W->s || !W->d.p || W->q_len != (int64_t)W->N * W->K || W->s_len != (int64_t)W->N * (W->K / W->bs) ||
+        W->d.n != W->N)
+        return HS_E_MATRIX;
+    if (!x.p || !y || x.n != (int64_t)M * W->K || y_len < (int64_t)M * W->N) return HS_E_BUFFER;
+    if (scratch_fit(s, m, (size_t)M, 1)) return HS_E_NOMEM;
+    hs_quant_rows(x.p, W->K, M, W->K, W->bs, s->xq, s->xs, s->xc);
     hs_gemm(s->xq, s->xs, s->xc, M, W, y, W->N, 0);
-    return 0;
+    return HS_OK;
 }

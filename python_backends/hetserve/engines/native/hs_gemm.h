@@ -18,16 +18,12 @@
 #define HS_GEMM_H
 #include <stdint.h>
 #include <string.h>
+#include "hs_engine.h"
 #include "hs_simd.h"
 
 #define HS_MAX_K 65536
 
-typedef struct {
-    const uint8_t* q; /* [N/16][K/4][16][4] */
-    const uint8_t* s; /* [N/16][K/bs][16] */
-    const float* d;   /* [N] */
-    int32_t N, K, bs, pad_;
-} QMat;
+typedef hs_qmat QMat; /* hs_engine.h: q, s, d and their lengths (checked by hs_model_check) */
 
 #if defined(HS_AVX512)
 /* r[j] = op over the lanes of p[j] for 16 vectors (transpose-reduce network: 15 shuffle pairs, no per-vector
@@ -282,7 +278,7 @@ static void hs_gemm(const int8_t* xq, const float* xs, const int32_t* xc, int M,
             const uint8_t* pf = !stream && m0 == 0 && next && g + 2 * nt <= G ? next : NULL;
             (W->bs == 16 ? hs_tiles16 : hs_tiles32)[mt][nt](xq + (size_t)m0 * K, K, xs + (size_t)m0 * nb,
                                                             xc + (size_t)m0 * nb, W->q + (size_t)g * wg,
-                                                            W->s + (size_t)g * sg, W->d + (size_t)g * 16,
+                                                            W->s + (size_t)g * sg, W->d.p + (size_t)g * 16,
                                                             y + (size_t)m0 * ldy + g * 16, ldy, accumulate, pf);
         }
         g += nt;
