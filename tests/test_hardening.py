@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hetserve import errors
 from hetserve.kv import wire
 from hetserve.server import ServerError, admin_headers, port_in_use, proc_stats, sweep_stale_shm
 
@@ -100,7 +101,7 @@ def _decode_stream_op(url, inputs):
 
     q = queue.Queue()
     c = grpcclient.InferenceServerClient(url)
-    c.start_stream(callback=lambda result, error: q.put(error))
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
     ins = []
     for name, arr in inputs.items():
         dt = "BYTES" if arr.dtype == object else {"uint8": "UINT8", "int32": "INT32"}[str(arr.dtype)]
@@ -108,9 +109,12 @@ def _decode_stream_op(url, inputs):
         i.set_data_from_numpy(arr)
         ins.append(i)
     c.async_stream_infer("decode", ins)
-    err = q.get(timeout=30)
+    result, err = q.get(timeout=30)
     c.stop_stream()
     c.close()
+    data = None if result is None else result.as_numpy(errors.ERROR_OUTPUT)
+    if data is not None:  # the typed error as data (hetserve.errors), sent before the final Triton error
+        return errors.from_wire(bytes(data.reshape(-1)[0])).human()
     return None if err is None else str(err)
 
 

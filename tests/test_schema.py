@@ -81,46 +81,61 @@ def test_client_build_inputs_uses_the_schema_dtypes():
         build_inputs(None, no_such_input=1)
 
 
-def test_error_kinds_roundtrip_and_never_stack():
-    msg = errors.tag(errors.OVERLOADED, "pending KV full; retry after 0.5s")
-    want = (errors.OVERLOADED, "decode at 1.2.3.4:9001: pending KV full; retry after 0.5s")
-    assert errors.parse("decode at 1.2.3.4:9001: " + msg) == want
-    assert errors.tag(errors.BAD_INPUT, msg) == "[hetserve:bad_input] pending KV full; retry after 0.5s"
-    assert errors.parse("Stream removed") == (None, "Stream removed")
-    with pytest.raises(ValueError):
-        errors.tag("nope", "x")
+def test_errors_travel_as_data_and_keep_kind_where_and_retry():
+    """to_wire / from_wire: the kind, message, where, migrate flag and retry hint survive a hop as data; a
+    payload that does not parse is itself an internal error, never bad input."""
+    e = errors.Overloaded("pending KV full", where="decode pending KV", retry_after_s=0.5)
+    got = errors.from_wire(e.to_wire())
+    assert type(got) is errors.Overloaded and (got.message, got.where, got.retry_after_s) == \
+        ("pending KV full", "decode pending KV", 0.5)
+    assert got.human() == "pending KV full; retry after 0.5s" and got.retryable and got.migrate
+    eng = errors.from_wire(errors.EngineFailed("decode step failed", where="decode step").to_wire())
+    assert eng.kind == errors.INTERNAL and eng.migrate
+    assert eng.human() == "internal error in decode step: decode step failed"  # says whose fault it is
+    assert errors.from_wire(b"{not json").kind == errors.INTERNAL
+    assert errors.from_wire(b'{"kind": "nope", "message": "x"}').kind == errors.INTERNAL
+    for kind, (triton, http, grpc) in errors.STATUS.items():
+        err = errors.from_dict({"kind": kind, "message": "m"})
+        assert (err.kind, err.triton_code, err.http_status, err.grpc_status) == (kind, triton, http, grpc)
 
 
-def test_overload_is_the_kind_not_the_wording():
-    assert retry.is_overload(errors.tag(errors.UNAVAILABLE, "no healthy decode server"))
-    assert not retry.is_overload(errors.tag(errors.BAD_INPUT, "the word overloaded, queue full, retry after 1s"))
-    assert not retry.is_overload("queue full")  # untagged vocabulary is no longer guessed at
-    assert retry.is_overload("frontend busy; retry after 1.0s")  # untagged with a hint: the frontend's own
+def test_overload_hint_is_read_back_from_text_only_for_plain_clients():
+    assert retry.is_overload(errors.Overloaded("queue full").human())
+    assert retry.after_s(errors.Unavailable("no healthy decode server", retry_after_s=2.5).human()) == 2.5
+    assert not retry.is_overload(errors.RequestError("the word overloaded, queue full").human())
+    assert retry.header_value(0.4) == "1" and retry.header_value(2.5) == "3"
 
 
 def test_openai_frontend_maps_kinds_to_statuses():
     pytest.importorskip("fastapi")
-    from hetserve.openai_api.backend import classify
+    from hetserve.openai_api.backend import api_error, classify
 
-    e = classify(errors.tag(errors.OVERLOADED, "circuit breaker open; retry in 2.5s"))
-    assert (e.status, e.retry_after) == (503, "3") and "[hetserve" not in str(e.body())
-    assert classify(errors.tag(errors.BAD_INPUT, "internal token mismatch")).status == 400
-    assert classify(errors.tag(errors.INTERNAL, "engine failed")).status == 500
+    e = api_error(errors.Overloaded("circuit breaker open", retry_after_s=2.5))
+    assert (e.status, e.retry_after, e.code) == (503, "3", "overloaded")
+    assert api_error(errors.RequestError("bad stop string")).status == 400
+    e = api_error(errors.EngineFailed("decode step failed"))
+    assert (e.status, e.type, e.code) == (500, "server_error", "internal_error")
     assert classify("unknown model 'llm'").status == 503
+    assert classify("Socket closed", call_failed=True).status == 502
+    assert classify("anything Triton says").status == 500  # the frontend built the inputs: never the client's
 
 
-def test_generation_error_strips_the_tag_and_keeps_the_kind():
+def test_generation_error_keeps_the_typed_fields():
     from hetserve.client import GenerationError
 
-    g = GenerationError("llm at x: " + errors.tag(errors.OVERLOADED, "busy; retry after 1.0s"), "")
-    assert g.kind == errors.OVERLOADED and str(g) == "llm at x: busy; retry after 1.0s"
+    g = GenerationError.of(errors.from_wire(errors.Overloaded("busy", where="llm").to_wire()))
+    assert (g.kind, g.retry_after_s, g.where, g.status, str(g)) == (
+        errors.OVERLOADED, 1.0, "llm", "StatusCode.UNAVAILABLE", "busy")
 
 
-def test_a_relayed_peer_error_keeps_its_kind():
-    from hetserve.reliability import BreakerOpen
+def test_only_hetserve_errors_are_the_clients_fault():
+    """A ValueError from an engine or a library is ours (internal), not bad input; typed ones keep their kind."""
+    from hetserve.reliability import BreakerOpen, NoDecodeServer
 
-    relayed = RuntimeError("decode refused KV: " + errors.tag(errors.OVERLOADED, "pending KV full"))
-    assert errors.kind_of_exception(relayed) == errors.OVERLOADED
+    assert errors.kind_of_exception(ValueError("shapes do not match")) == errors.INTERNAL
     assert errors.kind_of_exception(RuntimeError("boom")) == errors.INTERNAL
     assert errors.kind_of_exception(BreakerOpen("open")) == errors.OVERLOADED
+    assert errors.kind_of_exception(NoDecodeServer("none")) == errors.UNAVAILABLE
     assert errors.kind_of_exception(errors.RequestError("x")) == errors.BAD_INPUT
+    assert errors.parse_failure(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad")).kind == errors.BAD_INPUT
+    assert errors.parse_failure(KeyError("k")).kind == errors.INTERNAL

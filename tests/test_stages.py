@@ -22,7 +22,7 @@ from hetserve.sampling import SamplingParams
 from hetserve.scheduler import Overloaded
 from hetserve.stages.decode import DecodeConfig, DecodeStage, PendingKV, call_from_tensors
 from hetserve.stages.grpc_decode import stream_error
-from hetserve.stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
+from hetserve.stages.orchestrator import REQUEST_ERRORS_METRIC, TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
 from hetserve.stages.types import DecodeCall, DecodeFailed, GenerateRequest, PrefillResult, TokenChunk
 
 EOS = 2
@@ -251,19 +251,40 @@ def test_cancelled_client_cancels_the_decode_stream():
     assert dec.opened[0][1].closed is True and pool.leases == {"a": 0}
 
 
-@pytest.mark.parametrize("status,msg,exc", [
-    ("", errors.tag(errors.OVERLOADED, "pending KV full"), Overloaded),
-    ("", errors.tag(errors.UNAVAILABLE, "no healthy decode server"), Overloaded),
-    ("", errors.tag(errors.BAD_INPUT, "token id out of range"), errors.RequestError),
-    ("", "untagged model error", errors.RequestError),
-    ("StatusCode.UNAVAILABLE", "Socket closed", DecodeFailed),
-    ("StatusCode.INVALID_ARGUMENT", errors.tag(errors.OVERLOADED, "x"), errors.RequestError),  # status rules
-    ("", errors.tag(errors.INTERNAL, "engine failed"), RuntimeError),
-])
-def test_decode_stream_errors_by_kind(status, msg, exc):
-    err = SimpleNamespace(status=lambda: status, message=lambda: msg)
-    got = stream_error(err)
-    assert type(got) is exc and "[hetserve:" not in str(got)
+@pytest.mark.parametrize("status,msg", [("StatusCode.UNAVAILABLE", "Socket closed"),
+                                        ("", "Request for unknown model: 'decode' is not found")])
+def test_decode_stream_error_without_typed_data_migrates(status, msg):
+    """An error the decode model did not send as data (the call failed, Triton refused) means that server
+    cannot serve: DecodeFailed, which migrates; a typed one is raised as itself (next test)."""
+    got = stream_error(SimpleNamespace(status=lambda: status, message=lambda: msg))
+    assert type(got) is DecodeFailed and got.migrate and msg in str(got)
+
+
+def test_typed_decode_errors_migrate_or_stand_by_their_data():
+    """The decode model's typed errors (as data): an engine failure and an overload refusal move the request
+    (the breaker and the error counter see the failure), bad input ends it at once with the client's fault, and
+    with no other server the engine failure reaches the client as itself (internal), not "unavailable"."""
+    engine_failed = errors.from_wire(errors.EngineFailed("decode step failed: boom", where="decode step").to_wire())
+    assert type(engine_failed) is errors.InternalError and engine_failed.migrate
+    for err, migrates in ((engine_failed, True), (errors.from_wire(Overloaded("queue full").to_wire()), True),
+                          (errors.from_wire(errors.RequestError("bad token").to_wire()), False)):
+        pool = FakePool(["a", "b"])
+        dec = FakeDecodeClient({"a": [([TokenChunk([11])], err)], "b": [([TokenChunk([12], "length")], None)]})
+        orch, _, _ = _orch(FakePrefill(), dec, pool)
+        sink = FakeSink()
+        if migrates:
+            orch.run(_req(), sink)
+            assert [u for u, _ in dec.opened] == ["a", "b"] and sink.finish_reason == "length"
+        else:
+            with pytest.raises(errors.RequestError):
+                orch.run(_req(), sink)
+            assert [u for u, _ in dec.opened] == ["a"]
+    pool = FakePool(["a"])
+    dec = FakeDecodeClient({"a": [([TokenChunk([11])], engine_failed)]})
+    orch, m, _ = _orch(FakePrefill(), dec, pool)
+    with pytest.raises(errors.InternalError, match="decode step failed"):
+        orch.run(_req(), FakeSink())
+    assert m.get(REQUEST_ERRORS_METRIC, kind=errors.INTERNAL) == 1 and pool.leases == {"a": 0}
 
 
 # ---- fakes for the decode stage (unit only) ------------------------------------------------------------------

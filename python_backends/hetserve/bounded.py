@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 
-from .scheduler import Overloaded
+from .errors import Overloaded
 
 
 class BoundedExecutor:
@@ -23,7 +23,7 @@ class BoundedExecutor:
 
     def submit(self, fn, *args, **kw) -> concurrent.futures.Future:
         if not self._slots.acquire(blocking=False):
-            raise Overloaded(f"{self.name}: {self.limit} requests in flight (queue full); retry after 1.0s")
+            raise Overloaded(f"{self.name}: {self.limit} requests in flight (queue full)", where=self.name)
         try:
             fut = self._pool.submit(fn, *args, **kw)
         except BaseException:

@@ -16,16 +16,32 @@ def admin_parameters() -> dict:
 
 
 class GenerationError(RuntimeError):
-    """A failed generation: the message without its kind tag, `kind` (hetserve.errors, None when the error
-    did not come from hetserve) and the gRPC status."""
+    """A failed generation: the message, `kind` (hetserve.errors; None when the error did not come from
+    hetserve, e.g. the transport failed), the gRPC status, `retry_after_s` for refusals and `where` it failed."""
 
-    def __init__(self, msg: str, status: str = "", kind: Optional[str] = None):
+    def __init__(self, msg: str, status: str = "", kind: Optional[str] = None,
+                 retry_after_s: Optional[float] = None, where: str = ""):
+        super().__init__(msg)
+        self.status, self.kind, self.retry_after_s, self.where = status, kind, retry_after_s, where
+
+    @classmethod
+    def of(cls, err, prefix: str = "") -> "GenerationError":
+        """From a HetserveError a server sent as data (errors.from_wire)."""
         from . import errors
 
-        parsed, text = errors.parse(msg)
-        super().__init__(text)
-        self.status = status
-        self.kind = kind or parsed
+        status = "StatusCode." + err.grpc_status
+        return cls(prefix + err.message, status, err.kind,
+                   err.retry_after_s if err.kind in errors.RETRYABLE else None, err.where)
+
+
+def error_in(result) -> Optional["GenerationError"]:
+    """The typed error a response carries as data (the `error` output, hetserve.errors), None when it has none."""
+    from . import errors
+
+    data = result.as_numpy(errors.ERROR_OUTPUT)
+    if data is None or not data.size:
+        return None
+    return GenerationError.of(errors.from_wire(bytes(data.reshape(-1)[0])))
 
 
 # A stream the transport tore down (the server, or a proxy's upstream, died mid-request) reaches tritonclient as
@@ -34,15 +50,12 @@ _TRANSPORT_LOST = ("stream removed", "rst_stream", "socket closed", "connection 
 
 
 def _status_of(e) -> str:
-    """The error's status; on a gRPC stream Triton sends only the message (status() is None there), so an
-    overload refusal (a retryable kind, see errors.py) and a torn-down transport both read as UNAVAILABLE."""
-    from . import retry
-
+    """The status of an error that came without hetserve's typed error before it (Triton's own, or the
+    transport's): a torn-down transport reads as UNAVAILABLE (no server answered; retryable)."""
     raw = e.status() if hasattr(e, "status") else None
     status = str(raw) if raw else ""
     msg = (e.message() if hasattr(e, "message") else str(e)) or ""
-    if "UNAVAILABLE" not in status and (any(k in msg.lower() for k in _TRANSPORT_LOST)
-                                        or (not status and retry.is_overload(msg))):
+    if "UNAVAILABLE" not in status and any(k in msg.lower() for k in _TRANSPORT_LOST):
         return "StatusCode.UNAVAILABLE"
     return status
 
@@ -97,7 +110,7 @@ def build_inputs(prompt: Optional[str], **params):
 
 
 def stream(url: str, prompt: Optional[str], model: str = "llm", timeout_s: float = 120.0,
-           **params) -> Iterator[Chunk]:
+           request_id: str = "", **params) -> Iterator[Chunk]:
     import tritonclient.grpc as grpcclient
 
     if model in STREAM_INPUT_MODELS:
@@ -106,7 +119,8 @@ def stream(url: str, prompt: Optional[str], model: str = "llm", timeout_s: float
     q: "queue.Queue" = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     try:
-        client.async_stream_infer(model, build_inputs(prompt, **params), enable_empty_final_response=True)
+        client.async_stream_infer(model, build_inputs(prompt, **params), request_id=request_id,
+                                  enable_empty_final_response=True)
         while True:
             try:
                 r, e = q.get(timeout=timeout_s)
@@ -114,6 +128,9 @@ def stream(url: str, prompt: Optional[str], model: str = "llm", timeout_s: float
                 raise GenerationError(f"no response from {model} within {timeout_s}s", "TIMEOUT") from None
             if e is not None:
                 raise GenerationError(e.message() if hasattr(e, "message") else str(e), _status_of(e))
+            typed = error_in(r)
+            if typed is not None:  # hetserve's typed error; the final Triton error response follows
+                raise typed
             resp = r.get_response()
             fp = resp.parameters.get("triton_final_response")
             final = bool(fp and fp.bool_param)
@@ -165,6 +182,10 @@ def stream_once(url: str, model: str, inputs, timeout_s: float, request_id: str 
         if err is not None:
             msg = err.message() if hasattr(err, "message") else str(err)
             raise GenerationError(f"{model} at {url}: {msg}", (err.status() if hasattr(err, "status") else "") or "")
+        typed = error_in(result)
+        if typed is not None:
+            typed.args = (f"{model} at {url}: {typed}",)
+            raise typed
         return result
     finally:
         try:

@@ -157,6 +157,8 @@ _VARS: List[Var] = [
     Var("HETSERVE_HEALTH_TIMEOUT_S", float, 2.0, f"health-check timeout, {_S}", min=0),
     Var("HETSERVE_DECODE_STEP_TIMEOUT_S", float, 30.0, f"a decode stream silent this long is migrated, {_S}", min=0),
     Var("HETSERVE_MAX_MIGRATIONS", int, 3, "moves of one stream to another decode server", min=0),
+    Var("HETSERVE_INJECT_FAULT", str, "", "tests only: POINT:N, the Nth and later calls at POINT raise "
+        "(faults.py: decode_step); empty: off"),
     # ---- metrics --------------------------------------------------------------------------------------------
     Var("HETSERVE_METRICS", bool, True, "0 turns hetserve's custom metrics off"),
     Var("HETSERVE_METRICS_INTERVAL_S", float, 1.0, f"metrics sampling interval, {_S}", min=0),

@@ -38,6 +38,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import config
+from .errors import Overloaded, Unavailable
 from .kv.transport.registry import BASELINE as BASELINE_TRANSPORT
 
 log = logging.getLogger("hetserve.reliability")
@@ -46,12 +47,12 @@ CLOSED, HALF_OPEN, OPEN = 0, 1, 2
 STATE_NAMES = {CLOSED: "closed", HALF_OPEN: "half-open", OPEN: "open"}
 
 
-class BreakerOpen(RuntimeError):
-    """Refused at once by the circuit breaker (maps to UNAVAILABLE)."""
+class BreakerOpen(Overloaded):
+    """Refused at once by the circuit breaker (kind overloaded: UNAVAILABLE / 503 + Retry-After)."""
 
 
-class NoDecodeServer(RuntimeError):
-    """No healthy decode server (maps to UNAVAILABLE)."""
+class NoDecodeServer(Unavailable):
+    """No healthy decode server (kind unavailable: UNAVAILABLE / 503)."""
 
 
 class CircuitBreaker:

@@ -10,8 +10,10 @@ from typing import List
 
 import numpy as np
 
+from .errors import RequestError
 
-class SamplingError(ValueError):
+
+class SamplingError(RequestError):
     pass
 
 

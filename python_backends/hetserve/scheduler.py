@@ -26,14 +26,13 @@ from typing import Callable, Deque, Dict, List, Optional
 
 import numpy as np
 
+from . import faults
+from .errors import EngineFailed, HetserveError, Overloaded
 from .kv.blocks import BlockPool, KVLost, PoolFull
 from .sampling import SamplingParams, is_stop_token, sample
 
 log = logging.getLogger("hetserve.scheduler")
-
-
-class Overloaded(RuntimeError):
-    """Admission control refused the request (queue full / KV budget exhausted)."""
+__all__ = ["DecodeScheduler", "Overloaded", "Sequence"]  # Overloaded: hetserve.errors, re-exported
 
 
 @dataclass
@@ -45,10 +44,14 @@ class Sequence:
     precision: str
     on_tokens: Callable[[List[int], Optional[str]], None]  # (new tokens, finish_reason or None)
     is_cancelled: Callable[[], bool] = lambda: False
+    # the sequence failed (engine step, KV lost, budget): called once instead of a final on_tokens; unset, the
+    # failure ends the stream with finish_reason "error"
+    on_error: Optional[Callable[[HetserveError], None]] = None
     k: Optional[np.ndarray] = None  # [L,KVH,P,D] until admitted
     v: Optional[np.ndarray] = None
     arrived: float = field(default_factory=time.monotonic)
     finished: Optional[str] = None
+    error: Optional[HetserveError] = None  # why it failed (finished == "error")
     priority: int = 0  # preemption takes the lowest priority first, then the newest arrival
     prompt_ids: Optional[List[int]] = None  # lets the scheduler recompute KV that could not be kept
     kv_id: int = -1  # key of this sequence in the KV block pool (set by submit)
@@ -109,12 +112,12 @@ class DecodeScheduler:
                              f"device tier, budget is {cap} blocks ({self.kv_budget / 2**20:.1f} MiB)")
         with self.cv:
             if len(self.waiting) >= self.max_queue:
-                raise Overloaded(f"decode queue full ({self.max_queue} waiting); retry later")
+                raise Overloaded(f"decode queue full ({self.max_queue} waiting)", where="decode queue")
         seq.kv_id = next(self._kv_ids)
         try:
             pool.add(seq.kv_id, seq.k, seq.v)
         except PoolFull as e:
-            raise Overloaded(f"{e}; retry later") from e
+            raise Overloaded(str(e), where="decode KV pool") from e
         seq.k = seq.v = None
         with self.cv:
             self.waiting.append(seq)
@@ -141,9 +144,11 @@ class DecodeScheduler:
             self.waiting.popleft()
             try:
                 k, v = self._activate(s)
-            except Exception as e:  # KV pool exhausted on every tier, lost KV without prompt ids, ...
-                log.warning("cannot resume %s: %s", s.request_id, e)
-                self._finish(s, f"error: {e}")
+            except Exception as e:  # KV pool exhausted on every tier, lost KV without prompt ids, an engine bug
+                log.warning("cannot resume %s: %s", s.request_id, e, exc_info=not isinstance(e, (PoolFull, KVLost)))
+                err = (Overloaded(f"cannot resume: {e}", where="decode admission") if isinstance(e, PoolFull)
+                       else EngineFailed(f"cannot resume: {type(e).__name__}: {e}", where="decode admission"))
+                self._fail(s, err)
                 continue
             self.batches[s.precision].add(k, v)
             self.running[s.precision].append(s)
@@ -216,7 +221,8 @@ class DecodeScheduler:
                 raise PoolFull("no tier below the device tier")
         except (PoolFull, KVLost) as e:
             if s.prompt_ids is None:
-                self._finish(s, f"error: KV budget exhausted and nowhere to swap to ({e})")
+                self._fail(s, Overloaded(f"KV budget exhausted and nowhere to swap to ({e})",
+                                         where="decode preemption"))
                 return
             pool.free(s.kv_id)
             where = "KV dropped, will recompute"
@@ -242,11 +248,14 @@ class DecodeScheduler:
                 self.step()
                 if self.snapshotter is not None:
                     self.snapshotter.after_step(self)
-            except Exception as e:  # engine failure: fail the running sequences, keep serving
-                log.exception("decode step failed")
+            except Exception as e:  # engine failure: fail the running sequences (typed), keep serving
+                ids = [s.request_id for seqs in self.running.values() for s in seqs]
+                log.error("decode step failed for requests %s: %s", ", ".join(ids), e, exc_info=e)
+                err = EngineFailed(f"decode step failed: {type(e).__name__}: {e}", where="decode step")
                 for p, seqs in self.running.items():
                     for s in list(seqs):
-                        self._retire(p, s, f"error: {e}")
+                        self._remove_row(p, s)
+                        self._fail(s, err)
 
     def step(self):
         t0 = time.monotonic()
@@ -258,6 +267,7 @@ class DecodeScheduler:
             n = len(seqs)
             # the engine writes each row's new K/V into the batch (in place for GQA); blocks were reserved above
             te = time.monotonic()
+            faults.check("decode_step")
             logits = self.batches[prec].step(np.fromiter((s.tokens[-1] for s in seqs), np.int64, n))
             self.stats["engine_seconds"] += time.monotonic() - te
             done = []
@@ -304,6 +314,18 @@ class DecodeScheduler:
         self._remove_row(prec, s)
         self._finish(s, reason, emit)
 
+    def _fail(self, s: Sequence, err: HetserveError):
+        """End s with a typed failure: on_error when it has one, else a final "error" finish reason."""
+        s.error = err
+        if s.on_error is None:
+            self._finish(s, "error")
+            return
+        self._finish(s, "error", emit=False)
+        try:
+            s.on_error(err)
+        except Exception as e:  # the answer channel is gone: nothing left to tell
+            log.info("failure of %s not delivered (%s): %s", s.request_id, e, err)
+
     def _finish(self, s: Sequence, reason: str, emit: bool = True):
         self.kv_pool.free(s.kv_id)  # every block of a finished / cancelled / failed sequence
         s.finished = reason
@@ -313,8 +335,8 @@ class DecodeScheduler:
         if emit:
             try:
                 s.on_tokens([], reason)
-            except Exception:
-                pass
+            except Exception as e:  # the client is gone: nothing left to tell it
+                log.debug("final response of %s not delivered: %s", s.request_id, e)
 
     def close(self):
         self._stop = True

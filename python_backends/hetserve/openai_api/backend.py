@@ -3,10 +3,11 @@ shared channel), at most `max_concurrent` at a time.
 
 Cancelling the stream (client disconnect, or the frontend ending early) cancels the Triton request; `llm` sees
 `is_cancelled()` at the next decode step and cancels its decode stream, so the decode server frees the sequence.
-Errors come back as text only (Triton's streaming gRPC responses carry no status code); hetserve's carry their
-kind (hetserve.errors): overloaded/unavailable -> 503 + Retry-After, bad_input -> 400, internal -> 500. Untagged
-ones come from Triton itself: "internal" -> 500, "unknown model"/"not found" -> 503 (the server has no `llm`:
-misdeployed, not the client's fault), a failed call -> 502, anything else -> 400.
+Errors: `llm` sends its typed error as data before the final Triton error (hetserve.errors; Triton's streaming
+gRPC responses carry no status code), mapped here once by kind: bad_input -> 400, overloaded/unavailable -> 503 +
+Retry-After (from retry_after_s), internal -> 500. An error without that data comes from Triton or the transport,
+never from the client's request (the frontend builds the inputs): "unknown model"/"not found" -> 503 (misdeployed),
+a failed call -> 502, anything else -> 500.
 """
 from __future__ import annotations
 
@@ -31,18 +32,22 @@ class Delta:
     finish_reason: Optional[str]
 
 
+def api_error(err: "errors.HetserveError") -> ApiError:
+    """A typed hetserve error -> the OpenAI error of its kind (the frontend's one mapping)."""
+    if err.kind == errors.BAD_INPUT:
+        return ApiError(400, err.message)
+    if err.retryable:
+        return ApiError(err.http_status, err.message, "server_error", code=err.kind,
+                        retry_after=retry.header_value(err.retry_after_s))
+    return ApiError(err.http_status, err.message, "server_error", code="internal_error")
+
+
 def classify(msg: str, call_failed: bool = False) -> ApiError:
-    kind, text = errors.parse(msg)
-    if retry.is_overload(msg):
-        return ApiError(503, text, "server_error", code="overloaded", retry_after=retry.header_value(text))
-    if kind == errors.INTERNAL or (kind is None and "internal" in text.lower()):  # ours, or Triton's own
-        return ApiError(500, text, "server_error", code="internal_error")
-    if kind == errors.BAD_INPUT:
-        return ApiError(400, text)
-    if call_failed or "unknown model" in text or "not found" in text.lower():
-        return ApiError(502 if call_failed else 503, f"inference server: {text}", "server_error",
+    """An error that came without hetserve's typed data: Triton's own or the transport's."""
+    if call_failed or "unknown model" in msg or "not found" in msg.lower():
+        return ApiError(502 if call_failed else 503, f"inference server: {msg}", "server_error",
                         code="upstream_error", retry_after=None if call_failed else "1")
-    return ApiError(400, text)
+    return ApiError(500, f"inference server: {msg}", "server_error", code="internal_error")
 
 
 class Overload:
@@ -53,8 +58,8 @@ class Overload:
 
     def __enter__(self):
         if self.active >= self.limit:
-            raise ApiError(503, retry.hint(f"frontend busy: {self.limit} requests in flight (--max-concurrent)"),
-                           "server_error", code="overloaded", retry_after="1")
+            raise api_error(errors.Overloaded(f"frontend busy: {self.limit} requests in flight (--max-concurrent)",
+                                              where="openai frontend"))
         self.active += 1
         return self
 
@@ -116,6 +121,9 @@ class TritonLLM:
                         raise classify(f"{e.code().name}: {e.details()}", call_failed=True) from None
                     if err is not None:
                         raise classify(err.message() if hasattr(err, "message") else str(err))
+                    data = result.as_numpy(errors.ERROR_OUTPUT)
+                    if data is not None and data.size:  # llm's typed error; its final Triton error follows
+                        raise api_error(errors.from_wire(bytes(data.reshape(-1)[0])))
                     resp = result.get_response()
                     fp = resp.parameters.get("triton_final_response")
                     final = bool(fp and fp.bool_param)

@@ -21,11 +21,11 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from .. import schema
-from ..errors import RequestError
+from .. import errors, schema
+from ..errors import INTERNAL, Overloaded, RequestError, kind_of_exception
 from ..kv import wire
 from ..sampling import is_stop_token
-from ..scheduler import Overloaded, Sequence
+from ..scheduler import Sequence
 from .types import DecodeCall, Metrics, NoMetrics, Reply
 
 log = logging.getLogger("hetserve.decode")
@@ -69,8 +69,8 @@ class PendingKV:
                 self._drop(rid)
             if len(self._d) >= self.max_entries or self.nbytes + size > self.max_bytes:
                 raise Overloaded(f"pending KV full ({len(self._d)} transfers, {self.nbytes / 2**20:.0f} MiB of "
-                                 f"{self.max_bytes / 2**20:.0f} MiB) waiting for their generate requests; "
-                                 f"retry after 1.0s")
+                                 f"{self.max_bytes / 2**20:.0f} MiB) waiting for their generate requests",
+                                 where="decode pending KV")
             self._d[rid] = (k, v, now)
             self.nbytes += size
             self._cv.notify_all()
@@ -135,7 +135,7 @@ class DecodeStage:
             rid = t.get("request_id")
             if rid is not None and rid.size == 1:
                 self.pending.take(bytes(rid.reshape(-1)[0]).decode("utf-8", "replace"), 0)
-            reply.error(e)
+            reply.error(errors.parse_failure(e, "decode request"))
             return
         self.handle(call, reply)
 
@@ -152,9 +152,9 @@ class DecodeStage:
         except Exception as e:
             if call.op == "generate" and call.request_id:  # refused: drop KV already pushed for it (else TTL)
                 self.pending.take(call.request_id, 0)
-            if not isinstance(e, (RequestError, Overloaded)):
-                log.exception("decode op=%s failed", call.op)
-            reply.error(e)
+            if kind_of_exception(e) == INTERNAL:
+                log.error("decode op=%s of request %s failed: %s", call.op, call.request_id, e, exc_info=e)
+            reply.error(errors.from_exception(e, f"decode op={call.op}"))
 
     def _precision(self, prec: Optional[str], default: Optional[str] = None) -> str:
         prec = prec or default or self.config.default_precision
@@ -283,11 +283,12 @@ class DecodeStage:
 
             assert call.request_id and call.params is not None  # checked by _op_generate
             self.sched.submit(Sequence(call.request_id, len(call.prompt), list(call.output_ids), call.params, prec,
-                                       on_tokens, reply.cancelled, k=k, v=v, prompt_ids=list(call.prompt)))
+                                       on_tokens, reply.cancelled, on_error=reply.error, k=k, v=v,
+                                       prompt_ids=list(call.prompt)))
         except Exception as e:
-            if not isinstance(e, (RequestError, Overloaded)):
-                log.exception("decode admission failed")
-            reply.error(e)
+            if kind_of_exception(e) == INTERNAL:
+                log.error("decode admission of request %s failed: %s", call.request_id, e, exc_info=e)
+            reply.error(errors.from_exception(e, "decode admission"))
 
     def stats(self) -> dict:
         sched = self.sched

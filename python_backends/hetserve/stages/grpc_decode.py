@@ -8,7 +8,6 @@ import threading
 from typing import Iterator
 
 from .. import errors
-from ..scheduler import Overloaded
 from .types import DecodeFailed, DecodeRequest, TokenChunk
 
 log = logging.getLogger("hetserve.orchestrator")
@@ -19,19 +18,12 @@ MAX_BUFFERED = 4096
 
 
 def stream_error(err) -> Exception:
-    """Classify a decode-stream error. A gRPC status means the call itself failed (server gone, stream broken,
-    deadline): migrate. No status means the decode model answered with an error: its kind decides (an overload
-    refusal -> another server may accept it; bad input -> its verdict stands)."""
+    """A stream error that came without the decode model's typed error before it (send_error sends that first,
+    and responses() raises it): the call itself failed (server gone, stream broken, deadline) or Triton refused
+    it (model not loaded): the server cannot serve it, so migrate."""
     status = str(getattr(err, "status", lambda: "")() or "")
     msg = str(getattr(err, "message", lambda: str(err))() or err)
-    kind = errors.kind_of(msg)
-    if "INVALID_ARG" in status:
-        return errors.RequestError(errors.strip(msg))
-    if kind in errors.RETRYABLE:
-        return Overloaded(errors.strip(msg))
-    if status:
-        return DecodeFailed(f"{status}: {msg}")
-    return errors.exception_for(msg, kind or errors.BAD_INPUT)
+    return DecodeFailed(f"{status + ': ' if status else ''}{msg}")
 
 
 class GrpcDecodeStream:
@@ -67,6 +59,9 @@ class GrpcDecodeStream:
                 raise DecodeFailed(f"decode server sent nothing for {timeout_s:.1f}s") from None
             if err is not None:
                 raise stream_error(err)
+            data = result.as_numpy(errors.ERROR_OUTPUT)
+            if data is not None and data.size:  # the decode model's typed error (its Triton error follows)
+                raise errors.from_wire(bytes(data.reshape(-1)[0]))
             resp = result.get_response()
             final = resp.parameters.get("triton_final_response")
             final = bool(final and final.bool_param)

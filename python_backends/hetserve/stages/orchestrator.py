@@ -15,9 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ..errors import RequestError
+from ..errors import HetserveError, Overloaded, RequestError, kind_of_exception
 from ..sampling import is_stop_token
-from ..scheduler import Overloaded
 from .types import (
     Breaker,
     DecodeClient,
@@ -36,12 +35,21 @@ log = logging.getLogger("hetserve.orchestrator")
 
 # {reason, transport}: prefill reported transfer_ok=false, decode was told to recompute at once
 TRANSFER_FAILED_METRIC = "hetserve_kv_transfer_not_ok_total"
+# {kind}: requests that ended in an error (hetserve.errors kinds)
+REQUEST_ERRORS_METRIC = "hetserve_request_errors_total"
 
 
 @dataclass
 class OrchestratorConfig:
     step_timeout_s: float = 30.0   # a decode server silent this long is treated as dead (migrate)
     max_migrations: int = 3        # moves per request before giving up
+
+
+def internal_request_id(client_id: str) -> str:
+    """A unique id for the hops of one request (KV transfer key, decode sequence), prefixed with the client's own
+    id (sanitized, at most 64 characters) so one grep finds the request in every server's log."""
+    safe = "".join(c for c in client_id[:64] if c.isalnum() or c in "._-")
+    return f"{safe}-{uuid.uuid4().hex[:16]}" if safe else uuid.uuid4().hex
 
 
 class Orchestrator:
@@ -63,7 +71,7 @@ class Orchestrator:
             self.breaker.allow()  # raises BreakerOpen -> UNAVAILABLE at once
             probe = True
             member = lease[0] = self.pool.pick()
-            rid = uuid.uuid4().hex
+            rid = internal_request_id(req.request_id)
             # the transport negotiated with this member (kv/transport); a fallback is counted + logged by the pool
             transport = self.pool.transport_for(member, req.transport)
             res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, member, transport,
@@ -87,6 +95,7 @@ class Orchestrator:
         except Exception as e:
             from ..reliability import BreakerOpen
 
+            self.metrics.inc(REQUEST_ERRORS_METRIC, kind=kind_of_exception(e))
             if isinstance(e, BreakerOpen):
                 self.metrics.inc("hetserve_breaker_rejections_total")
             elif not isinstance(e, RequestError):
@@ -121,10 +130,11 @@ class Orchestrator:
                         return
                 sink.finish("stop")
                 return
-            except (DecodeFailed, Overloaded) as e:
+            except HetserveError as e:
+                if not e.migrate:  # its verdict stands (bad input), or nothing else would do better
+                    raise
                 cancel = True
-                overloaded = isinstance(e, Overloaded)
-                if not overloaded:
+                if isinstance(e, DecodeFailed):  # the server is gone or stalled (an engine error is not that)
                     self.pool.mark_down(url, str(e))
                 tried.append(url)
                 migrations += 1
@@ -134,13 +144,13 @@ class Orchestrator:
                 lease[0] = None
                 try:
                     lease[0] = self.pool.pick(exclude=tried)
-                except Exception:
-                    if overloaded:
+                except Exception:  # no other server: a dead one is "unavailable", anything else stays itself
+                    if not isinstance(e, DecodeFailed):
                         raise e from None
                     raise
                 dreq.kv_sent = False  # the transferred KV (if any) went to the old server: none will come
-                log.warning("request %s: %s; resuming after %d tokens on %s", dreq.request_id, e,
-                            len(dreq.output_ids), lease[0])
+                log.warning("request %s: %s at %s (%s); resuming after %d tokens on %s", dreq.request_id, e,
+                            url, e.where or type(e).__name__, len(dreq.output_ids), lease[0])
                 self.metrics.inc("hetserve_migrations_total")
             finally:
                 ds.close(cancel=cancel)

@@ -8,6 +8,7 @@ from typing import Iterator, List, Optional, Protocol
 
 import numpy as np
 
+from ..errors import InternalError
 from ..sampling import SamplingParams
 
 
@@ -20,6 +21,7 @@ class GenerateRequest:
     precision: Optional[str]         # decode engine precision (None: the decode server's default)
     transport: Optional[str] = None  # KV transport (None: prefill's default)
     kv_dtype: Optional[str] = None   # KV wire dtype (None: prefill's default)
+    request_id: str = ""             # the client's id (Triton request id), the prefix of the internal one
 
 
 @dataclass
@@ -61,8 +63,9 @@ class PrefillClient(Protocol):
 
 
 class DecodeStream(Protocol):
-    """One generate request streaming from one decode server. responses() raises DecodeFailed (server gone,
-    stalled: migrate), Overloaded (refused: another server may accept) or RequestError (its verdict stands)."""
+    """One generate request streaming from one decode server. responses() raises a HetserveError: DecodeFailed
+    (server gone, stalled), the decode model's own typed error (hetserve.errors; `migrate` says whether another
+    server may succeed: an overload refusal, an engine failure) or RequestError (its verdict stands)."""
 
     def start(self, req: DecodeRequest) -> None: ...
 
@@ -119,8 +122,9 @@ class NoMetrics:
         pass
 
 
-class DecodeFailed(RuntimeError):
+class DecodeFailed(InternalError):
     """The decode server failed, went away or stalled mid-stream: move the request to another one."""
+    default_migrate = True
 
 
 # ---- decode server -------------------------------------------------------------------------------------------

@@ -4,15 +4,13 @@ from __future__ import annotations
 import logging
 import threading
 
-import triton_python_backend_utils as pb_utils
-
 from .. import config
 from ..bounded import BoundedExecutor
 from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..sampling import is_stop_token, sample
 from ..scheduler import DecodeScheduler, Sequence
-from .common import check_prompt, classify, engine_dir, error, inp, sampling_params, tokenizer
+from .common import check_prompt, engine_dir, inp, log_if_ours, sampling_params, send_error, tokenizer
 from .metrics import BusyMeter, Poller
 from .preprocess import tokenize_request
 from .streaming import TextStreamer
@@ -68,17 +66,13 @@ class TritonPythonModel:
 
             cancelled = getattr(sender, "is_cancelled", lambda: False)
             self.sched.submit(Sequence(f"agg-{id(r)}", len(prompt), [first], params, self.precision, on_tokens,
-                                       cancelled, k=k, v=v))
+                                       cancelled, on_error=streamer.fail, k=k, v=v))
         except Exception as e:
-            code = classify(e)
-            if code == pb_utils.TritonError.INTERNAL:
-                log.exception("aggregated request failed")
-            err = error(str(e), code)
+            log_if_ours(log, e, "aggregated", r.request_id())
             if streamer is not None:
-                streamer.fail(err)
+                streamer.fail(e)
             else:
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                send_error(sender, e)
 
     def execute(self, requests):
         for r in requests:
@@ -86,6 +80,5 @@ class TritonPythonModel:
             try:  # prefill + admission off Triton's thread, bounded (decoding itself runs in the scheduler)
                 self.work.submit(self._handle, r, sender)
             except Exception as e:  # Overloaded: UNAVAILABLE with a retry hint
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error(str(e), classify(e))),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                send_error(sender, e)
         return None

@@ -8,7 +8,7 @@ from typing import Any, List, Optional, cast
 import numpy as np
 import triton_python_backend_utils as pb_utils  # provided by the stub
 
-from .. import config, errors, retry, schema
+from .. import config, errors, schema
 from ..errors import RequestError  # noqa: F401  (re-exported: the adapters raise it)
 from ..sampling import SamplingParams
 from ..schema import MAX_TOKENS_LIMIT, check_kv_tokens, check_prompt  # noqa: F401  (re-exported)
@@ -142,50 +142,65 @@ def str_tensor(name: str, values) -> "pb_utils.Tensor":
                                           dtype=np.object_))
 
 
-_CODE_OF_KIND = {errors.BAD_INPUT: "INVALID_ARG", errors.OVERLOADED: "UNAVAILABLE",
-                 errors.UNAVAILABLE: "UNAVAILABLE", errors.INTERNAL: "INTERNAL"}
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def error(msg: str, code=None, kind: Optional[str] = None) -> "pb_utils.TritonError":
-    """A TritonError whose message carries its kind (hetserve.errors) and, for retryable kinds, a retry hint.
-    The kind comes from `kind`, else from the code (INVALID_ARG -> bad_input, UNAVAILABLE -> overloaded)."""
-    if kind is None:
-        code = pb_utils.TritonError.INVALID_ARG if code is None else code
-        kind = {pb_utils.TritonError.INVALID_ARG: errors.BAD_INPUT,
-                pb_utils.TritonError.UNAVAILABLE: errors.OVERLOADED}.get(code, errors.INTERNAL)
-    if code is None:
-        code = getattr(pb_utils.TritonError, _CODE_OF_KIND[kind])
-    if kind in errors.RETRYABLE:
-        msg = retry.hint(msg)
-    return pb_utils.TritonError(errors.tag(kind, msg), code)
+def error_of(exc: BaseException, where: str = "") -> "pb_utils.TritonError":
+    """Any exception -> the TritonError of its kind (hetserve.errors: the one mapping; not a HetserveError ->
+    INTERNAL), with the human message (retry hint included for refusals)."""
+    e = errors.from_exception(exc, where)
+    return pb_utils.TritonError(e.human(), getattr(pb_utils.TritonError, e.triton_code))
 
 
-def error_response(msg: str, code=None) -> "pb_utils.InferenceResponse":
-    return pb_utils.InferenceResponse(output_tensors=[], error=error(msg, code))
+def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(output_tensors=[], error=error_of(exc))
 
 
-def error_of(exc: BaseException) -> "pb_utils.TritonError":
-    """Exception -> TritonError with its kind, code and message (one mapping, hetserve.errors)."""
-    kind = errors.kind_of_exception(exc)
-    return error(str(exc), getattr(pb_utils.TritonError, _CODE_OF_KIND[kind]), kind)
+def error_tensor(exc: BaseException) -> "pb_utils.Tensor":
+    """The error as data: the `error` output (hetserve.errors.ERROR_OUTPUT) holding to_wire()."""
+    return pb_utils.Tensor(errors.ERROR_OUTPUT, np.array([errors.from_exception(exc).to_wire()], dtype=np.object_))
 
 
-def classify(exc: Exception):
-    """Exception -> Triton error code."""
-    return getattr(pb_utils.TritonError, _CODE_OF_KIND[errors.kind_of_exception(exc)])
+def send_error(sender, exc: BaseException, as_data: bool = True) -> None:
+    """End a decoupled stream with `exc`: first a response carrying it as data (as_data; our stream readers
+    raise the typed error from it: Triton's streaming gRPC keeps no status code), then the final Triton error
+    response (its code gives HTTP/gRPC clients their status and Triton its failure count). as_data=False for a
+    single-response request (Triton's /generate wants exactly one). A client already gone is not an error."""
+    try:
+        if as_data:
+            sender.send(pb_utils.InferenceResponse([error_tensor(exc)]), flags=0)
+        sender.send(error_response(exc), flags=FINAL)
+    except Exception as e:  # the stream is closed (client cancelled) or was answered already
+        import logging
+
+        logging.getLogger("hetserve.triton").info("error response not sent (%s): %s", e, exc)
 
 
-def respond_each(requests, handle, log) -> list:
-    """Non-decoupled execute(): one response per request; a failing request gets an error response
-    (INVALID_ARG / UNAVAILABLE / INTERNAL) and never takes the others down."""
+def log_if_ours(log, exc: BaseException, what: str, request_id: str = "") -> None:
+    """An internal failure (ours) is logged with its traceback and the request id; a client's bad input or an
+    overload refusal is the caller's to see, not a server error."""
+    if errors.kind_of_exception(exc) == errors.INTERNAL:
+        log.error("%s failed (request %s): %s", what, request_id or "-", exc, exc_info=exc)
+
+
+def bls_error(model: str, resp) -> errors.HetserveError:
+    """A BLS response's error as the typed error (the Triton error code survives BLS)."""
+    err = resp.error()
+    code = next((n for n in ("INVALID_ARG", "UNAVAILABLE", "INTERNAL", "NOT_FOUND", "UNSUPPORTED", "CANCELLED")
+                 if getattr(pb_utils.TritonError, n, None) == err.code()), "INTERNAL")
+    return errors.from_triton_code(code, err.message(), where=model)
+
+
+def respond_each(requests, handle, log, what: str = "request") -> list:
+    """Non-decoupled execute(): one response per request; a failing request gets an error response of its
+    kind and never takes the others down; our own failures are logged with the request id."""
     out = []
     for r in requests:
         try:
             out.append(handle(r))
         except Exception as e:
-            if classify(e) == pb_utils.TritonError.INTERNAL:
-                log.exception("request failed")
-            out.append(pb_utils.InferenceResponse(output_tensors=[], error=error_of(e)))
+            log_if_ours(log, e, what, r.request_id())
+            out.append(error_response(e))
     return out
 
 

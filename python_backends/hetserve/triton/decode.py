@@ -19,7 +19,7 @@ from ..scheduler import DecodeScheduler
 
 # PendingKV re-exported for existing callers (tests/test_hardening.py)
 from ..stages.decode import RECOMPUTE_REASONS, DecodeConfig, DecodeStage, PendingKV
-from .common import engine_dir, error_of, ingest_token_ok, json_bytes, start_admin_channel, str_tensor, tensors_of
+from .common import engine_dir, ingest_token_ok, json_bytes, send_error, start_admin_channel, str_tensor, tensors_of
 from .metrics import REGISTRY, Poller, gauges
 
 log = logging.getLogger("hetserve.decode")
@@ -42,10 +42,7 @@ class SenderReply:
         self.sender.send(pb_utils.InferenceResponse([str_tensor("op_json", [json_bytes(obj)])]), flags=FINAL)
 
     def error(self, exc):
-        try:
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error_of(exc)), flags=FINAL)
-        except Exception:  # already answered or the client is gone
-            log.debug("could not send the error response", exc_info=True)
+        send_error(self.sender, exc)  # as data, then the final Triton error (stages/grpc_decode reads the data)
 
     def cancelled(self):
         return bool(getattr(self.sender, "is_cancelled", lambda: False)())

@@ -20,14 +20,24 @@ from typing import Dict
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .. import config
+from .. import config, errors
 from ..diagnostics import PROBE_PREFIX
 from ..engines.manifest import read_manifest
 from ..kv import wire
 from ..kv.transport import NAMES, PeerRefused, TransferError, TransportReceiver, TransportUnavailable, spec, to_prepare
 from ..kv.transport.control import TRANSPORT_PARAM
 from ..kv.transport.negotiate import local_offer
-from .common import RequestError, check_kv_tokens, engine_dir, ingest_token, inp, respond_each, scalar, str_tensor
+from .common import (
+    RequestError,
+    bls_error,
+    check_kv_tokens,
+    engine_dir,
+    ingest_token,
+    inp,
+    respond_each,
+    scalar,
+    str_tensor,
+)
 from .metrics import REGISTRY, declare_transfer_failures, transfer_failure_reason
 
 log = logging.getLogger("hetserve.kv_ingest")
@@ -166,11 +176,14 @@ class TritonPythonModel:
             inputs=[str_tensor("op", ["ingest"]), str_tensor("request_id", [rid]),
                     str_tensor("ingest_token", [self.token]),
                     pb_utils.Tensor("kv_header", raw), pb_utils.Tensor("kv_payload", payload)],
-            requested_output_names=["token_ids"])
+            requested_output_names=["token_ids", errors.ERROR_OUTPUT])
         for resp in req.exec(decoupled=True):
+            data = pb_utils.get_output_tensor_by_name(resp, errors.ERROR_OUTPUT)
+            if data is not None:  # decode's typed error (send_error); its final Triton error follows
+                raise errors.from_wire(bytes(data.as_numpy().reshape(-1)[0]))
             if resp.has_error():
-                raise RuntimeError(f"decode refused KV: {resp.error().message()}")
+                raise bls_error("decode", resp)
         return pb_utils.InferenceResponse([pb_utils.Tensor("kv_tokens", np.array([hdr.num_tokens], np.int32))])
 
     def execute(self, requests):
-        return respond_each(requests, self._one, log)
+        return respond_each(requests, self._one, log, "kv_ingest")

@@ -8,8 +8,10 @@ reliability.py, Triton metrics.
 response (whole text, all token ids, finish_reason), which is what Triton's HTTP `/generate` endpoint requires
 and what a plain Triton user tries first. stream=true sends one response per decode step (what `generate_stream`
 and gRPC streaming clients want for TTFT; hetserve's own clients always ask for it).
-Overload refusals (breaker open, no decode server, queues full) are UNAVAILABLE, tagged with their kind
-(hetserve.errors) and carry a "retry after N s" hint that HTTP frontends turn into 503 + Retry-After.
+Errors (hetserve.errors) end the stream typed: with stream=true a response carrying the error as data (kind,
+message, where, retry_after_s) precedes the final Triton error, whose code is the kind's (bad input
+INVALID_ARG, refusals UNAVAILABLE with a "retry after N s" hint, our failures INTERNAL, logged here with the
+request id).
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .. import config, schema
+from .. import config, errors, schema
 from ..engines.manifest import read_manifest
+from ..errors import Overloaded
 from ..model.checkpoint import LlamaConfig
 from ..reliability import CircuitBreaker, DecodePool
 from ..stages.grpc_decode import GrpcDecodeClient
@@ -29,11 +32,11 @@ from ..stages.types import GenerateRequest, PrefillJob, PrefillResult
 from .common import (
     PREFILL_HOP,
     RequestError,
-    classify,
+    bls_error,
     engine_dir,
-    error,
-    error_of,
     internal_token,
+    log_if_ours,
+    send_error,
     str_tensor,
     tensors_of,
     tokenizer,
@@ -47,11 +50,16 @@ log = logging.getLogger("hetserve.llm")
 def _bls(model, inputs, outputs):
     resp = pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs).exec()
     if resp.has_error():
-        err = resp.error()
-        if err.code() == pb_utils.TritonError.INVALID_ARG:
-            raise RequestError(err.message())
-        raise RuntimeError(f"{model}: {err.message()}")
+        raise bls_error(model, resp)
     return {n: pb_utils.get_output_tensor_by_name(resp, n).as_numpy() for n in outputs}
+
+
+def _wants_stream(r) -> bool:
+    """The request's `stream` input (default false); false when it cannot be read (the error is sent once)."""
+    try:
+        return bool(schema.scalar(tensors_of(r, "llm"), "stream", schema.INPUTS["stream"].default))
+    except Exception:
+        return False
 
 
 class BlsPrefill:
@@ -84,6 +92,8 @@ class Sink(TextStreamer):
 class WholeAnswer(Sink):
     """stream=false: hold every step back and send one final response with the whole answer (text_output = the
     full text, token_ids = output_ids = all generated ids), so exactly one response reaches the client."""
+
+    streaming = False
 
     def _send(self, delta, new, final):
         if final:
@@ -133,31 +143,28 @@ class TritonPythonModel:
     def _handle(self, r, sender):
         streamer = None
         try:
-            t = tensors_of(r, "llm")
-            params = schema.sampling_params(t)
-            cls = Sink if bool(schema.scalar(t, "stream", schema.INPUTS["stream"].default)) else WholeAnswer
-            streamer = cls(sender, tokenizer(), params, self.cfg.eos_token_ids, model="llm")
+            try:
+                t = tensors_of(r, "llm")
+                params = schema.sampling_params(t)
+                cls = Sink if bool(schema.scalar(t, "stream", schema.INPUTS["stream"].default)) else WholeAnswer
+                streamer = cls(sender, tokenizer(), params, self.cfg.eos_token_ids, model="llm")
+                precision = schema.scalar(t, "decode_precision", None, str) or self.default_precision
+                transport = schema.scalar(t, "transport", None, str) or None
+                kv_dtype = schema.scalar(t, "kv_dtype", None, str) or None
+            except Exception as e:  # the request's own fields
+                raise errors.parse_failure(e, "llm request") from e
             prompt = self._prompt_ids(t)
             schema.check_prompt(prompt, self.cfg, params.max_tokens)
-            req = GenerateRequest(prompt, params,
-                                  schema.scalar(t, "decode_precision", None, str) or self.default_precision,
-                                  schema.scalar(t, "transport", None, str) or None,
-                                  schema.scalar(t, "kv_dtype", None, str) or None)
-            self.stage.run(req, streamer, t0=streamer.t0)
+            self.stage.run(GenerateRequest(prompt, params, precision, transport, kv_dtype, r.request_id()),
+                           streamer, t0=streamer.t0)
         except Exception as e:
-            if classify(e) == pb_utils.TritonError.INTERNAL:
-                log.exception("llm request failed")
+            log_if_ours(log, e, "llm", r.request_id())
             if streamer is not None and streamer.finish_reason is not None:
-                return
-            err = error_of(e)
-            try:
-                if streamer is not None:
-                    streamer.fail(err)
-                else:
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err),
-                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            except Exception:
-                pass
+                return  # answered already (the sink finished before the failure)
+            if streamer is not None:
+                streamer.fail(e)
+            else:
+                send_error(sender, e, as_data=_wants_stream(r))
 
     def _run(self, r, sender):
         try:
@@ -171,10 +178,9 @@ class TritonPythonModel:
         for r in requests:
             sender = r.get_response_sender()
             if not self._slots.acquire(blocking=False):
-                msg = f"llm busy: {self.max_inflight} requests in flight (HETSERVE_LLM_MAX_INFLIGHT)"
-                sender.send(pb_utils.InferenceResponse(output_tensors=[],
-                                                       error=error(msg, pb_utils.TritonError.UNAVAILABLE)),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                send_error(sender, Overloaded(f"llm busy: {self.max_inflight} requests in flight "
+                                              "(HETSERVE_LLM_MAX_INFLIGHT)", where="llm"),
+                           as_data=_wants_stream(r))
                 continue
             threading.Thread(target=self._run, args=(r, sender), daemon=True).start()
         return None

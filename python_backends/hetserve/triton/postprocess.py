@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton_python_backend_utils as pb_utils
 
 from ..tokenizer import text_delta
-from .common import error_response, inp, str_tensor, tokenizer
+from .common import RequestError, error_response, inp, str_tensor, tokenizer
 
 
 class TritonPythonModel:
@@ -22,7 +22,7 @@ class TritonPythonModel:
             ids = inp(r, "output_ids")
             new = inp(r, "token_ids")
             if ids is None:
-                out.append(error_response("missing input 'output_ids'"))
+                out.append(error_response(RequestError("missing input 'output_ids'")))
                 continue
             all_ids = [int(x) for x in ids.reshape(-1)]
             n = 0 if new is None else int(new.size)

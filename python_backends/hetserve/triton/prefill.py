@@ -38,14 +38,14 @@ from .common import (
     PREFILL_HOP,
     RequestError,
     check_prompt,
-    classify,
     engine_dir,
-    error_response,
     inp,
     internal_token_ok,
     is_admin,
+    log_if_ours,
     sampling_params,
     scalar,
+    send_error,
     start_admin_channel,
     str_tensor,
     tokenizer,
@@ -56,21 +56,16 @@ log = logging.getLogger("hetserve.prefill")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def _answer_error(sender, exc) -> None:
-    code = classify(exc)
-    if code == pb_utils.TritonError.INTERNAL:
-        log.error("prefill request failed: %s", exc, exc_info=exc)
-    try:
-        sender.send(error_response(str(exc), code), flags=FINAL)
-    except Exception:  # the request is already answered or gone
-        log.debug("could not send the error response", exc_info=True)
+def _answer_error(sender, exc, request_id: str = "") -> None:
+    log_if_ours(log, exc, "prefill", request_id)
+    send_error(sender, exc, as_data=False)  # prefill answers once (BLS reads the Triton error code)
 
 
 class _Reply:
     """stages.prefill.PrefillReply over a request's response sender: exactly one FINAL response."""
 
-    def __init__(self, sender):
-        self.sender = sender
+    def __init__(self, sender, request_id: str):
+        self.sender, self.request_id = sender, request_id
 
     def done(self, o: PrefillOutcome) -> None:
         self.sender.send(pb_utils.InferenceResponse([
@@ -85,7 +80,7 @@ class _Reply:
         ]), flags=FINAL)
 
     def error(self, exc: BaseException) -> None:
-        _answer_error(self.sender, exc)
+        _answer_error(self.sender, exc, self.request_id)
 
 
 class TritonPythonModel:
@@ -162,7 +157,7 @@ class TritonPythonModel:
         call = PrefillCall(ids, params, scalar(r, "request_id", None, str) or f"req-{time.time_ns()}",
                            scalar(r, "transport", None, str), scalar(r, "kv_dtype", None, str), url,
                            bool(scalar(r, "skip_transfer", False)), bool(scalar(r, "prefix_cache", True)))
-        self.stage.submit(call, _Reply(sender))
+        self.stage.submit(call, _Reply(sender, call.request_id))
 
     def execute(self, requests):
         """Every request is answered through its response sender: prefill when its prompt is done (by the
@@ -172,5 +167,5 @@ class TritonPythonModel:
             try:
                 self._queue(r, sender)
             except Exception as e:
-                _answer_error(sender, e)
+                _answer_error(sender, e, r.request_id())
         return None

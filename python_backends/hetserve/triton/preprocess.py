@@ -1,11 +1,15 @@
 """preprocess: chat template + tokenizer.  text_input -> input_ids."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .. import config
-from .common import RequestError, error_response, scalar, tokenizer
+from .common import RequestError, respond_each, scalar, tokenizer
+
+log = logging.getLogger("hetserve.preprocess")
 
 
 def prompt_limits():
@@ -38,10 +42,6 @@ class TritonPythonModel:
         tokenizer()
 
     def execute(self, requests):
-        out = []
-        for r in requests:
-            try:
-                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", tokenize_request(r))]))
-            except RequestError as e:
-                out.append(error_response(str(e)))
-        return out
+        return respond_each(
+            requests, lambda r: pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", tokenize_request(r))]),
+            log, "preprocess")

@@ -9,7 +9,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..sampling import SamplingParams
 from ..tokenizer import stable_text
-from .common import str_tensor
+from .common import send_error, str_tensor
 from .metrics import REGISTRY
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -65,6 +65,10 @@ class TextStreamer:
             self.finish_reason = reason
             self._send("", [], final=True)
 
-    def fail(self, err: "pb_utils.TritonError"):
+    streaming = True  # one response per step; WholeAnswer-style subclasses answer once
+
+    def fail(self, exc: BaseException):
+        """End the stream with `exc` (typed, hetserve.errors): as data first when streaming, then the final Triton
+        error of its kind."""
         self.finish_reason = "error"
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err), flags=FINAL)
+        send_error(self.sender, exc, as_data=self.streaming)
