@@ -145,6 +145,36 @@ def test_demotion_under_pressure_cascades_and_promotion_restores(tmp_path, redis
         pool.close()
 
 
+def test_failed_promotion_loses_blocks_once_never_frees_a_slot_twice():
+    """A promotion whose writes fail on every tier cannot put the blocks back: they are marked lost (reads raise
+    KVLost, so the scheduler recomputes) and freeing the sequence later must not release their old slots again
+    (a slot in the free list twice would let two blocks share it: silent KV corruption)."""
+    pool = make_pool(device=2, host=2)
+    try:
+        pool.add("a", *kv(8))  # 2 blocks on the device
+        pool.add("b", *kv(8, seed=1))  # device full: host
+        assert pool.placement("b") == {"host": 2}
+
+        def broken(slots, data):
+            raise OSError("tier write failed (injected)")
+
+        for t in pool.tiers:
+            t.write = broken
+        with pytest.raises(KVLost):
+            pool.activate("b")  # room is made by moving "a" down, then every write fails
+        with pytest.raises(KVLost):
+            pool.read("b")
+        assert pool.counters["lost_blocks"] >= 2
+        pool.free("b")
+        pool.free("a")
+        for t in pool.tiers:
+            free = getattr(t, "_free")
+            assert len(free) == len(set(free)) == t.capacity, (t.name, free)
+            assert t.used == 0, (t.name, t.used)
+    finally:
+        pool.close()
+
+
 def test_append_reserve_and_idle_demotion():
     pool = make_pool(device=4, host=4)
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ from .. import config
 from .tiers import KVLost, PoolFull, SlotTier, Tier, tier_stack
 
 TIER_NAMES = ("device", "host", "disk", "redis")
+log = logging.getLogger("hetserve.kv")
 ENGINE = -1  # slot of a block whose KV lives in the engine's batch buffer (attached sequence)
+LOST = -2  # slot of a block whose data is gone (a failed promotion could not put it back): reads raise KVLost
 
 
 # ---- the pool -------------------------------------------------------------------------------------
@@ -459,7 +462,7 @@ class BlockPool:
         self._lru[b.tier].pop(bid, None)
         if b.slot == ENGINE:
             cast(SlotTier, self.tiers[b.tier]).release_unbacked(1)
-        else:
+        elif b.slot != LOST:  # a lost block's slot was released when it was lost
             self.tiers[b.tier].release([b.slot])
 
     def _touch(self, seq: _Seq) -> None:
@@ -480,6 +483,8 @@ class BlockPool:
         return buf.reshape(2, self.L, self.H, nb, self.bt, self.D).transpose(3, 0, 1, 2, 4, 5)
 
     def _read_tier(self, ti: int, slots: List[int]) -> np.ndarray:
+        if LOST in slots:
+            raise KVLost(f"{slots.count(LOST)} KV blocks were lost after a failed promotion")
         try:
             return self.tiers[ti].read(slots)
         except KVLost:
@@ -590,8 +595,9 @@ class BlockPool:
             slots = t.alloc(take)
             try:
                 t.write(slots, data[i:i + take])
-            except Exception:
+            except Exception as e:  # this tier cannot take them either: try the next one
                 t.release(slots)
+                log.warning("KV blocks not put back into the %s tier: %s", t.name, e)
                 continue
             for bid, slot in zip(bids[i:i + take], slots):
                 b = self._blocks[bid]
@@ -600,6 +606,11 @@ class BlockPool:
             i += take
             if i == len(bids):
                 return
+        for bid in bids[i:]:  # their old slots were released by _promote: never release them again
+            b = self._blocks[bid]
+            b.slot = LOST
+            self._lru[b.tier].pop(bid, None)
+        self.counters["lost_blocks"] += len(bids) - i
         raise KVLost(f"{len(bids) - i} KV blocks could not be put back after a failed promotion")
 
     def _grow(self, seq: _Seq, n_tokens: int, exclude: set) -> None:
