@@ -168,7 +168,7 @@ def test_failed_promotion_loses_blocks_once_never_frees_a_slot_twice():
         pool.free("b")
         pool.free("a")
         for t in pool.tiers:
-            free = getattr(t, "_free")
+            free = t._free
             assert len(free) == len(set(free)) == t.capacity, (t.name, free)
             assert t.used == 0, (t.name, t.used)
     finally:

@@ -203,3 +203,45 @@ def test_sentencepiece_placeholder_scores_refused():
         Tokenizer(spec)
     with pytest.raises(TokenizerError, match="scores"):
         Tokenizer({**spec, "scores": []})
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+def test_incremental_detokenizer_equals_full_decode_and_is_linear(tmp_path, spm_vocab, default_spec, kind):
+    """IncrementalDetokenizer (the streamers' detokenizer) and the stateless text_delta give, chunk by chunk,
+    exactly the text of decoding the whole sequence (byte fallback and multi-byte characters held back until
+    complete, SentencePiece's prefix space); the streamers' one decodes O(1) ids per call (linear in all)."""
+    from hetserve.tokenizer import IncrementalDetokenizer, stable_text, text_delta
+
+    if kind == "sentencepiece":
+        tokens, scores, types = spm_vocab
+        path = tmp_path / "spm.gguf"
+        _write(path, tokens, types, "llama", scores=scores)
+        tok = Tokenizer(_spec(path))
+    else:
+        tok = Tokenizer({**default_spec, "pre": "smollm"})
+    rnd = random.Random(3)
+    decoded = [0]
+    real_decode = tok.decode
+
+    def counting_decode(ids, *a, **kw):
+        decoded[0] += len(ids)
+        return real_decode(ids, *a, **kw)
+
+    for text in _texts([], 150, seed=2):
+        ids = tok.encode(text)
+        if kind == "sentencepiece" and ids and ids[0] == 1:
+            ids = ids[1:]  # generated text has no BOS
+        d, pos, out, stateless = IncrementalDetokenizer(tok), 0, "", ""
+        tok.decode = counting_decode
+        decoded[0] = 0
+        while pos < len(ids):
+            n = rnd.randint(1, 3)
+            out += d.add(ids[pos:pos + n])
+            pos += n
+            assert "\ufffd" not in out
+        tok.decode = real_decode
+        assert decoded[0] <= 6 * len(ids) + 16, (decoded[0], len(ids))  # a full decode per step: ~len^2 / 2
+        for i in range(len(ids)):
+            stateless += text_delta(tok, ids[:i + 1], 1)
+        assert out == d.text == stable_text(tok, ids), (kind, text)
+        assert stateless == stable_text(tok, ids), (kind, text)

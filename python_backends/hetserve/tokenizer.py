@@ -107,16 +107,58 @@ class Tokenizer:
 
 
 def stable_text(tok: Tokenizer, ids: Sequence[int]) -> str:
-    """Decoded text without a trailing incomplete UTF-8 character (held back until completed)."""
-    t = tok.decode(ids)
-    return t[:-1] if t.endswith("\ufffd") else t
+    """Decoded text without a trailing incomplete UTF-8 character (held back until completed; byte fallback
+    decodes each byte of one to its own U+FFFD)."""
+    return tok.decode(ids).rstrip("\ufffd")
+
+
+def _clean_prefix(tok: Tokenizer, ids: Sequence[int]) -> str:
+    """The text of the longest prefix of `ids` that ends on a whole character. Byte fallback turns a whole run of
+    byte tokens into U+FFFD while its last character is incomplete, so the text of a prefix is not monotonic in
+    its length: step back (a character is at most 4 byte tokens) to where it is."""
+    for cut in range(len(ids), max(-1, len(ids) - 5), -1):
+        t = tok.decode(ids[:cut])
+        if not t.endswith("\ufffd"):
+            return t
+    return tok.decode(ids).rstrip("\ufffd")
 
 
 def text_delta(tok: Tokenizer, all_ids: Sequence[int], n_new: int) -> str:
-    """Stateless incremental detokenisation: text added by the last `n_new` of `all_ids`."""
-    prev = stable_text(tok, all_ids[:len(all_ids) - n_new])
-    cur = stable_text(tok, all_ids)
+    """Stateless incremental detokenisation (the ensemble's postprocess, which keeps no per-request state): the
+    text the last `n_new` of `all_ids` completed. It decodes the whole sequence per call; the streamers keep
+    state and use IncrementalDetokenizer, which is linear."""
+    prev = _clean_prefix(tok, all_ids[:len(all_ids) - n_new])
+    cur = _clean_prefix(tok, all_ids)
     return cur[len(prev):] if cur.startswith(prev) else cur
+
+
+class IncrementalDetokenizer:
+    """The text of a growing sequence of ids, linear in its length: each add() decodes a short window (the
+    prefix-offset method of TGI / vLLM): `prefix` = ids of the last emitted piece, kept as context (so a
+    decoder's merges across the boundary, e.g. SentencePiece's leading space, come out the same), `read` = where
+    the ids not yet turned into text start. A trailing incomplete character is held back until a later id
+    completes it. Ids in `skip` (EOS) are not text."""
+
+    def __init__(self, tok: Tokenizer, skip: Sequence[int] = ()):
+        self.tok, self.skip = tok, frozenset(skip)
+        self.ids: List[int] = []
+        self.text = ""
+        self._prefix = self._read = 0
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append ids; returns the text they completed (possibly "")."""
+        self.ids.extend(int(t) for t in new_ids if int(t) not in self.skip)
+        if len(self.ids) == self._read:
+            return ""
+        prefix = self.tok.decode(self.ids[self._prefix:self._read])
+        full = self.tok.decode(self.ids[self._prefix:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # nothing new, or a character still incomplete
+        delta = full[len(prefix):]
+        # the old read offset ended on a whole character (its text was complete), so windows always start on one
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
 
 
 def _byte_level_bpe(spec: dict):

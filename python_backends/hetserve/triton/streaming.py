@@ -8,7 +8,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..sampling import SamplingParams
-from ..tokenizer import stable_text
+from ..tokenizer import IncrementalDetokenizer
 from .common import send_error, str_tensor
 from .metrics import REGISTRY
 
@@ -16,13 +16,17 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TextStreamer:
-    """Incremental detokenisation + stop strings. `push` returns False once generation should stop."""
+    """Incremental detokenisation + stop strings, linear in the output length (IncrementalDetokenizer decodes a
+    short window per step; stop strings are looked for in the new text plus the tail of the old that a stop
+    string could start in). `push` returns False once generation should stop."""
 
     def __init__(self, sender, tok, params: SamplingParams, eos_ids, model: str = "llm"):
         self.sender, self.tok, self.params, self.model = sender, tok, params, model
         self.eos_ids = set(eos_ids)
         self.ids: List[int] = []
         self.text = ""  # stable text emitted so far
+        self._detok = IncrementalDetokenizer(tok, skip=self.eos_ids)
+        self._stop_tail = max((len(s) for s in params.stop), default=1) - 1
         self.finish_reason: Optional[str] = None
         self.t0 = time.perf_counter()
         self.ttft: Optional[float] = None
@@ -42,16 +46,17 @@ class TextStreamer:
             self.ttft = time.perf_counter() - self.t0
             REGISTRY.observe("hetserve_ttft_seconds", self.ttft, model=self.model)
         self.ids.extend(int(t) for t in new)
-        visible = [t for t in self.ids if t not in self.eos_ids]
-        cur = stable_text(self.tok, visible)
-        delta = cur[len(self.text):] if cur.startswith(self.text) else ""
+        delta = self._detok.add(new)
         stop_hit = None
-        for s in self.params.stop:
-            i = (self.text + delta).find(s)
-            if i >= 0 and (stop_hit is None or i < stop_hit):
-                stop_hit = i
+        if delta and self.params.stop:
+            base = max(0, len(self.text) - self._stop_tail)  # a stop string ends in the new text
+            hay = self.text[base:] + delta
+            for s in self.params.stop:
+                i = hay.find(s)
+                if i >= 0 and (stop_hit is None or base + i < stop_hit):
+                    stop_hit = base + i
         if stop_hit is not None:
-            delta = (self.text + delta)[len(self.text):stop_hit] if stop_hit >= len(self.text) else ""
+            delta = delta[:max(0, stop_hit - len(self.text))]
             reason = "stop"
         self.text += delta
         if reason:
