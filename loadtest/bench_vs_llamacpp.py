@@ -433,7 +433,7 @@ def main(argv=None):
     ap.add_argument("--json", default=str(REPO / ".hetserve" / "bench" / "bench_vs_llamacpp.json"))
     a = ap.parse_args(argv)
 
-    from hetserve.engines.builder import load_tokenizer
+    from hetserve.engines.manifest import load_tokenizer
     from hetserve.engines.manifest import read_manifest
 
     native = a.decode_precision == "int8"

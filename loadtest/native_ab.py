@@ -86,7 +86,8 @@ def main(argv=None) -> None:
     import bench_vs_llamacpp as bench
 
     from hetserve.engines import native, quality
-    from hetserve.engines.builder import default_engine_dir, load_tokenizer
+    from hetserve.engines.builder import default_engine_dir
+    from hetserve.engines.manifest import load_tokenizer
     from hetserve.engines.manifest import read_manifest
     from hetserve.engines.runtime import Engine
     from hetserve.model.checkpoint import LlamaConfig, load_checkpoint

@@ -50,7 +50,7 @@ def batched(engine, cfg, prompts):
 
 def main(argv=None):
     from bench_vs_llamacpp import QUESTIONS
-    from hetserve.engines.builder import load_tokenizer
+    from hetserve.engines.manifest import load_tokenizer
     from hetserve.engines.runtime import Engine
     from hetserve.stages.prefill_batch import BatchConfig
 

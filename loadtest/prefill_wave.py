@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     import bench_vs_llamacpp as bench
 
     from hetserve.client import stream
-    from hetserve.engines.builder import load_tokenizer
+    from hetserve.engines.manifest import load_tokenizer
     from hetserve.topology import Topology
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -54,7 +54,7 @@ def engine_dir():
 
 @pytest.fixture(scope="session")
 def tokenizer(engine_dir):
-    from hetserve.engines.builder import load_tokenizer
+    from hetserve.engines.manifest import load_tokenizer
 
     return load_tokenizer(engine_dir)
 

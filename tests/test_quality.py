@@ -39,7 +39,7 @@ def test_manifest_quality_per_engine_and_kv_dtype_within_bounds(man):
 
 def test_gate_can_fail(engine_dir):
     """A broken KV handoff (V zeroed) or noise on the logits is far outside every bound."""
-    from hetserve.engines.builder import load_tokenizer
+    from hetserve.engines.manifest import load_tokenizer
     from hetserve.engines.runtime import Engine
 
     ids = quality.token_matrix(load_tokenizer(engine_dir), quality.EVAL_TEXTS[:2])
@@ -56,7 +56,7 @@ def test_score_view_equals_one_step_per_token(engine_dir):
     gives: the same logits for the FP32 graph (plain and after a KV wire round trip), and the same KLD for the FP8
     QDQ graph (its per-element FP8 rounding turns float-order differences into different roundings, so logits are
     compared through the figure the gate reports)."""
-    from hetserve.engines.builder import load_tokenizer
+    from hetserve.engines.manifest import load_tokenizer
     from hetserve.engines.runtime import Engine
 
     ids = quality.token_matrix(load_tokenizer(engine_dir), quality.EVAL_TEXTS[:4])

@@ -338,15 +338,3 @@ def _add_quality(out: Path, manifest: dict, log, t0) -> None:
     manifest["kv_quality"] = {k.split(":", 1)[1]: dict(v, reference=REFERENCE) for k, v in q.items()
                               if k.startswith("kv:")}
     write_manifest(out, manifest)
-
-
-def load_tokenizer(engine_dir: str):
-    from ..tokenizer import Tokenizer
-
-    man = read_manifest(engine_dir)
-    if man is None:
-        raise FileNotFoundError(f"{engine_dir}: no manifest.json (run `hetserve build`)")
-    t = man["tokenizer"]
-    spec = {"kind": "hf", "path": str(Path(engine_dir) / t["file"]), "bos_token_id": t["bos_token_id"],
-            "eos_token_id": t["eos_token_id"], "add_bos": t["add_bos"]}
-    return Tokenizer(spec, man.get("chat_template"))

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .runtime import NEG_INF
+from .feeds import NEG_INF
 
 CAP_CHUNK = 64  # standard graph: past length fed every step, so grow in small steps
 GQA_CAP_CHUNK = 256  # GQA attends over each row's own length only; a bigger buffer costs untouched pages

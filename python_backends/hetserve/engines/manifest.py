@@ -71,3 +71,16 @@ def unresolved_engines(manifest: dict, names: Iterable[str]) -> List[str]:
             out.append(f"engine {n!r} " + (f"was not built ({why})" if why else "is not in the manifest")
                        + f"; built: {sorted(manifest.get('engines', {}))}")
     return out
+
+
+def load_tokenizer(engine_dir: str):
+    """The tokenizer the engine dir was built with (its manifest's tokenizer file and chat template)."""
+    from ..tokenizer import Tokenizer
+
+    man = read_manifest(engine_dir)
+    if man is None:
+        raise FileNotFoundError(f"{engine_dir}: no manifest.json (run `hetserve build`)")
+    t = man["tokenizer"]
+    spec = {"kind": "hf", "path": str(Path(engine_dir) / t["file"]), "bos_token_id": t["bos_token_id"],
+            "eos_token_id": t["eos_token_id"], "add_bos": t["add_bos"]}
+    return Tokenizer(spec, man.get("chat_template"))

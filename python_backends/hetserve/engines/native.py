@@ -570,7 +570,7 @@ def forward(model: NativeModel, input_ids, position_ids, attention_mask, past_ke
     at last_index, new k, v [B, L, KVH, T, D] (padded tokens' K/V left zero). With a past (a decode step, as the
     quality gate's teacher forcing runs them) the KV is held in fp16 like the decode server's NativeBatch, so the
     figures measure what it serves; without one (a prompt) in fp32 like the prefill server's jobs."""
-    from .runtime import EngineError, causal_mask
+    from .feeds import EngineError, causal_mask
 
     ids = np.ascontiguousarray(input_ids, np.int64)
     if ids.ndim != 2:

@@ -78,7 +78,7 @@ def compare(ref_logits: np.ndarray, logits: np.ndarray, texts: str, chunk: int =
 
 
 def _step_inputs(ids_col: np.ndarray, pos: int, past: int):
-    from .runtime import causal_mask
+    from .feeds import causal_mask
 
     B = ids_col.shape[0]
     return (ids_col[:, None], np.full((B, 1), pos, dtype=np.int64), causal_mask([past] * B, [1] * B, past, 1),
@@ -95,7 +95,7 @@ def teacher_forced(decode_engine, ids: np.ndarray, prefill_engine=None,
     opened as a score view (standard-op graph, fp32 KV; open_for_scoring) scores every position in one call: the
     same computation as one step per token (no KV of the scored tokens is quantized on either path).
     """
-    from .runtime import causal_mask
+    from .feeds import causal_mask
 
     pre = prefill_engine or decode_engine
     N, T = ids.shape
@@ -128,7 +128,7 @@ def _roundtrip(rt, k: np.ndarray, v: np.ndarray):
 def whole_text(engine, ids: np.ndarray, ctx: int = CTX):
     """Score view, one call over ids[:, :T-1]: (logits [N, T-ctx, V] at positions ctx-1..T-2, and the context's
     K/V [N, L, KVH, ctx, D], what a prefill of the context alone returns: attention is causal)."""
-    from .runtime import causal_mask
+    from .feeds import causal_mask
 
     N, T = ids.shape
     n = T - 1
@@ -142,7 +142,7 @@ def whole_text(engine, ids: np.ndarray, ctx: int = CTX):
 def scored_after(engine, ids: np.ndarray, ctx: int, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Score view: logits [N, T-1-ctx, V] at positions ctx..T-2, the tokens ids[:, ctx:T-1] in one call after the
     context's K/V (k, v)."""
-    from .runtime import causal_mask
+    from .feeds import causal_mask
 
     N, T = ids.shape
     S = T - 1 - ctx
@@ -164,7 +164,7 @@ def engine_quality(engine_dir: str, names: Sequence[str], kv_dtypes: Sequence[st
                    texts: Sequence[str] = EVAL_TEXTS, set_name: str = "eval", threads: int = 0,
                    log: Optional[Callable[[str], None]] = None) -> Dict[str, dict]:
     """{engine name | "kv:<dtype>": Quality dict} vs decode_fp32 on `texts` (the build calls this)."""
-    from .builder import load_tokenizer
+    from .manifest import load_tokenizer
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     ids = token_matrix(load_tokenizer(engine_dir), texts)
@@ -262,8 +262,7 @@ def llamacpp_rows(engine_dir: str, work_dir: str, texts: Sequence[str] = EVAL_TE
     """Q8_0 vs our FP32 engine and vs llama.cpp's own F32 (same GGUF source, same token ids)."""
     import os
 
-    from .builder import load_tokenizer
-    from .manifest import read_manifest
+    from .manifest import load_tokenizer, read_manifest
     from .runtime import Engine
 
     src = read_manifest(engine_dir)["source"]

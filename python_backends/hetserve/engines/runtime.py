@@ -22,19 +22,14 @@ import numpy as np
 
 from .. import config
 from ..model.checkpoint import LlamaConfig
+from .feeds import NEG_INF, EngineError, causal_mask  # noqa: F401  (re-exported: the engines' API)
 from .manifest import read_manifest, resolve_engine
-
-NEG_INF = np.float32(-1e9)
 
 # ORT graph rewrites we turn off. GatherSliceToSplitFusion turns the 30 per-layer Gathers of past_key/past_value
 # into one Split that copies the whole past KV up front, before layer 0; with plain Gathers each layer copies its
 # slice just before use. Same values; measured on the INT8 decode graph, one core, batch 16 x 192 past tokens:
 # 50 -> 44 ms CPU per step (neutral at batch 1).
 DISABLED_OPTIMIZERS = ("GatherSliceToSplitFusion",)
-
-
-class EngineError(RuntimeError):
-    pass
 
 
 def open_session(path: Path, threads: int, compact: bool = False, profile: Optional[str] = None,
@@ -112,22 +107,6 @@ def load_engine(engine_dir: str, name: str, threads: Optional[int] = None) -> "E
         log.warning("engine %s cannot run here (%s); loading %s instead", name, e, fb)
         return Engine(engine_dir, fb, threads=threads)
 
-
-def causal_mask(past_lens: Sequence[int], new_lens: Sequence[int], P: int, T: int) -> np.ndarray:
-    """Additive mask [B,1,T,P+T] for right-padded past (valid prefix of length past_lens[b]) and new tokens."""
-    B = len(past_lens)
-    m = np.full((B, 1, T, P + T), NEG_INF, dtype=np.float32)
-    tri = np.tril(np.ones((T, T), dtype=bool))
-    for b in range(B):
-        pl, nl = int(past_lens[b]), int(new_lens[b])
-        m[b, 0, :, :pl] = 0.0
-        blk = m[b, 0, :, P:P + T]
-        blk[tri] = 0.0
-        if nl < T:  # padded query rows: attend to themselves only (output discarded)
-            blk[nl:, :] = NEG_INF
-            blk[np.arange(nl, T), np.arange(nl, T)] = 0.0
-            blk[:, nl:] = np.where(np.eye(T, dtype=bool)[:, nl:], blk[:, nl:], NEG_INF)
-    return m
 
 
 def _standard_feeds(input_ids, position_ids, attention_mask, past_key, past_value, last_index) -> dict:

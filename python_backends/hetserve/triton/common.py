@@ -41,7 +41,7 @@ def engine_dir() -> str:
 
 @lru_cache(maxsize=1)
 def tokenizer():
-    from ..engines.builder import load_tokenizer
+    from ..engines.manifest import load_tokenizer
 
     return load_tokenizer(engine_dir())
 
