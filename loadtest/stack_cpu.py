@@ -7,7 +7,9 @@ One command does everything:
      default model's byte-level BPE tokenizer and chat template; tests/zoo.py's SMALL shape) in the work dir and
      builds it with `hetserve build` (both cached there; --engine-dir uses an existing build instead);
   2. starts the real stack with `hetserve up` (prefill + decode tritonservers pinned as `up` pins them, their
-     Python backend stubs, the OpenAI frontend) and waits until it serves;
+     Python backend stubs, the OpenAI frontend) and waits until it serves; the circuit breaker's TTFT threshold is
+     raised (HETSERVE_BREAKER_P99_MS=600000; --keep-breaker keeps it): at 32 closed-loop clients on a busy box it
+     would otherwise shed most requests as cheap refusals;
   3. per path and round: N closed-loop clients (aiohttp, one event loop, no think time) send non-streaming
      requests for --warmup s, then for --duration s the measured window:
        generate: POST /v2/models/llm/generate  {"text_input", "max_tokens", "ignore_eos", "temperature"}
@@ -17,11 +19,12 @@ One command does everything:
      `up` launcher, anything else), and prints req/s and stack CPU ms per request, total and per role; the load
      generator's own CPU and the rest of the box (other jobs) are measured and reported apart, never in the stack;
   5. --profile adds one window per path with py-spy attached (`py-spy record --format raw --gil`) to the llm,
-     decode, prefill, preprocess, kv_ingest stubs and the OpenAI frontend, writes the raw collapsed stacks and prints each
-     one's top functions by self time and its hetserve frames by inclusive time, in ms per request (that window's
-     CPU figures are perturbed by the sampling and are flagged so); --perf adds `perf record -e cpu-clock -a` over
-     the same window: native symbols and libraries per stack process (the C++ stub, gRPC's C core, ONNX Runtime,
-     libc, the kernel: the CPU py-spy cannot see);
+     decode, prefill, preprocess, kv_ingest stubs and the OpenAI frontend, writes the raw collapsed stacks and
+     prints each one's top functions by self time and its hetserve frames by inclusive time (py-spy samples wall
+     time: a GIL holder waiting in the run queue of a busy box counts, so read the shares, and take CPU from the
+     /proc table or --perf; that window's CPU figures are perturbed by the sampling and flagged so); --perf adds
+     `perf record -e cpu-clock -a` over the same window: native symbols and libraries per stack process (the C++
+     stub, gRPC's C core, ONNX Runtime, libc, the kernel: the CPU py-spy cannot see);
   6. tears everything down on exit, error, Ctrl-C or SIGTERM: `up` is stopped (SIGINT, as a user would), then any
      process left of its tree is SIGKILLed by id (this script is a child subreaper, so orphans stay in its tree),
      and /dev/shm regions created during the run that no process maps any more are removed.
@@ -49,17 +52,16 @@ import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+_dumps: Callable[[Any], bytes]
+_loads: Callable[[Any], Any]
 try:
     import orjson
 
     _dumps, _loads = orjson.dumps, orjson.loads
 except ImportError:  # pragma: no cover
-    def _dumps(o) -> bytes:
-        return json.dumps(o).encode()
-
-    _loads = json.loads
+    _dumps, _loads = (lambda o: json.dumps(o).encode()), json.loads
 
 REPO = Path(__file__).resolve().parents[1]
 TCK = os.sysconf("SC_CLK_TCK")
@@ -153,7 +155,7 @@ def box_busy_s() -> Tuple[float, float]:
 
 
 def thread_cpu(pid: int) -> Dict[str, float]:
-    out: Counter = Counter()
+    out: Dict[str, float] = defaultdict(float)
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
@@ -227,7 +229,7 @@ def _server_role(pid: int, cmd: List[str]) -> str:
     return next((c for c in cmd if c.startswith("--http-port=")), "?")
 
 
-def snapshot(stack: Stack) -> Dict[int, Tuple[str, float, float]]:
+def snapshot(stack: Stack) -> Dict[int, Tuple[str, float, Optional[int]]]:
     """{pid: (role, CPU s, start time)} of the stack now."""
     pids = stack.pids()
     roles = stack.roles(pids)
@@ -299,7 +301,7 @@ async def closed_loop(path: Path_, clients: int, warmup: float, duration: float,
     window's edges. Returns what completed inside the window."""
     import aiohttp
 
-    state = {"t0": None, "t1": None, "stop": False}
+    state: Dict[str, Any] = {"t0": None, "t1": None, "stop": False}
     lat: List[float] = []
     toks: List[int] = []
     errors: Counter = Counter()
@@ -390,8 +392,8 @@ def finish_profiles(procs, timeout: float = 60.0) -> None:
 
 
 def top_self(raw_file: Path, n: int):
-    """(samples, [(frame, self samples, inclusive samples)], [(hetserve frame, inclusive samples)]) from py-spy's collapsed-stack raw output: one line per
-    stack, `frame;frame;...;leaf count`, frames `function (file:line)`."""
+    """(samples, [(frame, self samples, inclusive samples)], [(hetserve frame, inclusive samples)]) from py-spy's
+    collapsed-stack raw output: one line per stack, `frame;frame;...;leaf count`, frames `function (file:line)`."""
     selfc: Counter = Counter()
     incl: Counter = Counter()
     total = 0
@@ -520,7 +522,7 @@ def teardown(proc, stack: Optional[Stack], shm_before: set) -> List[str]:
         if stack is not None:
             left = [p for p, st in stack.seen.items() if p != stack.up_pid and start_time(p) == st
                     and (_stat(p) or ["Z"])[0] != "Z"]
-            left += [p for p in descendants(os.getpid()) if p not in left and _stat(p) and _stat(p)[0] != "Z"]
+            left += [p for p in descendants(os.getpid()) if p not in left and (_stat(p) or ["Z"])[0] != "Z"]
             for p in left:
                 try:
                     os.kill(p, signal.SIGKILL)
@@ -528,7 +530,7 @@ def teardown(proc, stack: Optional[Stack], shm_before: set) -> List[str]:
                 except ProcessLookupError:
                     pass
             deadline = time.time() + 10
-            while time.time() < deadline and any(_stat(p) and _stat(p)[0] != "Z" for p in left):
+            while time.time() < deadline and any((_stat(p) or ["Z"])[0] != "Z" for p in left):
                 time.sleep(0.1)
         _reap()
         notes += clean_shm(shm_before)
@@ -634,9 +636,10 @@ def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: st
     per_pid, warn = cpu_delta(snaps["a"], snaps["b"])
     n = res["ok"]
     w = res["window_s"]
-    by_role: Counter = Counter()
+    acc: Dict[str, float] = defaultdict(float)
     for role, c in per_pid.values():
-        by_role[role] += c
+        acc[role] += c
+    by_role = Counter(acc)
     stack_s = sum(by_role.values())
     gen_s = snaps["me_b"] - snaps["me_a"]
     spy_s = sum(snaps["spy_b"].get(k, 0.0) - v for k, v in snaps["spy_a"].items())
@@ -686,10 +689,10 @@ def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: st
             out["profiles"][role] = {
                 "pid": pid, "file": str(f), "samples": total, "rate_hz": a.profile_rate, "mode": a.profile_mode,
                 "top_inclusive_hetserve": [{"frame": fr, "inclusive_pct": round(100 * i / total, 1),
-                                            "inclusive_ms_per_request": round(i * 1e3 / a.profile_rate / n, 3)
+                                            "inclusive_gil_wall_ms_per_request": round(i * 1e3 / a.profile_rate / n, 3)
                                             if n else None} for fr, i in ours],
                 "top_self": [{"frame": fr, "self_samples": c, "self_pct": round(100 * c / total, 1) if total else 0,
-                              "self_ms_per_request": round(c * 1e3 / a.profile_rate / n, 3) if n else None,
+                              "self_gil_wall_ms_per_request": round(c * 1e3 / a.profile_rate / n, 3) if n else None,
                               "inclusive_pct": round(100 * i / total, 1) if total else 0}
                              for fr, c, i in top]}
     return out
@@ -726,15 +729,17 @@ def print_window(r: dict) -> None:
         print(f"   threads of {proc}: {top}")
     for role, p in (r.get("profiles") or {}).items():
         print(f"\n   py-spy {role} (pid {p['pid']}, {p['mode']}): {p['samples']} samples at {p['rate_hz']} Hz "
-              f"(= {p['samples'] * 1e3 / p['rate_hz'] / max(r['requests_ok'], 1):.2f} ms/request) -> {p['file']}")
-        print(f"     {'self%':>6} {'incl%':>6} {'ms/req':>7}  function (file:line)")
+              f"(= {p['samples'] * 1e3 / p['rate_hz'] / max(r['requests_ok'], 1):.2f} ms/request of wall time with the "
+              f"GIL held) -> {p['file']}")
+        print(f"     {'self%':>6} {'incl%':>6} {'ms/req':>7}  function (file:line)   [ms/req: wall time, not CPU]")
         for t in p["top_self"]:
-            print(f"     {t['self_pct']:>6.1f} {t['inclusive_pct']:>6.1f} {t['self_ms_per_request']:>7.3f}  "
+            print(f"     {t['self_pct']:>6.1f} {t['inclusive_pct']:>6.1f} {t['self_gil_wall_ms_per_request']:>7.3f}  "
                   f"{t['frame']}")
         if p["top_inclusive_hetserve"]:
             print("     hetserve frames by inclusive time:")
             for t in p["top_inclusive_hetserve"][:8]:
-                print(f"     {'':>6} {t['inclusive_pct']:>6.1f} {t['inclusive_ms_per_request']:>7.3f}  {t['frame']}")
+                print(f"     {'':>6} {t['inclusive_pct']:>6.1f} {t['inclusive_gil_wall_ms_per_request']:>7.3f}  "
+                      f"{t['frame']}")
 
 
 def print_perf(r: dict) -> None:
@@ -798,8 +803,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rev", help="serve `git archive REV` (exported into the work dir) instead of the working tree")
     ap.add_argument("--threads", action="store_true", help="also CPU per request by thread name")
     ap.add_argument("--profile", action="store_true",
-                    help="one more window per path with py-spy on the llm/decode/prefill/preprocess/kv_ingest stubs and the "
-                         "OpenAI frontend")
+                    help="one more window per path with py-spy on the llm/decode/prefill/preprocess/kv_ingest "
+                         "stubs and the OpenAI frontend")
     ap.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--perf", action="store_true",
                     help="with --profile: also `perf record -e cpu-clock -a` over the profiled window, native "
