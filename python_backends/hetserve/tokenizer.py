@@ -5,7 +5,7 @@ does: byte-level BPE (`gpt2`, per `tokenizer.ggml.pre`) and SentencePiece BPE (`
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 _SPECIAL_TYPES = (2, 3)  # gguf token_type UNKNOWN, CONTROL
 _USER_DEFINED = 4
@@ -139,7 +139,7 @@ class IncrementalDetokenizer:
     the ids not yet turned into text start. A trailing incomplete character is held back until a later id
     completes it. Ids in `skip` (EOS) are not text."""
 
-    def __init__(self, tok: Tokenizer, skip: Sequence[int] = ()):
+    def __init__(self, tok: Tokenizer, skip: Iterable[int] = ()):
         self.tok, self.skip = tok, frozenset(skip)
         self.ids: List[int] = []
         self.text = ""
@@ -226,3 +226,33 @@ def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float], types: S
                              "them leftmost-first, which hetserve cannot reproduce: refusing")
     ranked.sort()
     return [(tokens[i][:k], tokens[i][k:]) for _, i, k in ranked]
+
+
+def prompt_limits() -> Tuple[int, int]:
+    """(max tokens, max characters) of a prompt, read when asked (not at import); characters are checked before
+    tokenizing, so a huge body cannot make the tokenizer do unbounded work."""
+    from . import config
+
+    tokens = config.get("HETSERVE_MAX_PROMPT_TOKENS")
+    return tokens, config.get("HETSERVE_MAX_PROMPT_CHARS") or 16 * tokens
+
+
+def encode_prompt(tok: Tokenizer, text: Optional[str], apply_chat_template: bool = True) -> List[int]:
+    """A client's prompt text -> token ids (as one user message through the chat template unless told not to),
+    within the prompt limits; RequestError naming what is wrong. Every process that needs the ids runs this
+    itself (llm, preprocess, aggregated): no hop to another model to tokenize."""
+    from .errors import RequestError
+
+    max_tokens, max_chars = prompt_limits()
+    if text is None:
+        raise RequestError("missing input 'text_input'")
+    if len(text) > max_chars:
+        raise RequestError(f"prompt too long: {len(text)} characters > limit {max_chars}")
+    if not text.strip():
+        raise RequestError("empty prompt: 'text_input' must contain text")
+    if apply_chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    ids = tok.encode(text)
+    if len(ids) > max_tokens:
+        raise RequestError(f"prompt too long: {len(ids)} tokens > limit {max_tokens}")
+    return ids

@@ -52,26 +52,46 @@ class GrpcDecodeStream:
         self.client.async_stream_infer("decode", ins, request_id=req.request_id, enable_empty_final_response=True)
 
     def responses(self, timeout_s: float) -> Iterator[TokenChunk]:
+        """The decode responses as chunks; responses already waiting are merged into one chunk (a consumer that
+        fell behind catches up with one client response, not one per token)."""
         while True:
             try:
-                result, err = self.q.get(timeout=timeout_s)
+                item = self.q.get(timeout=timeout_s)
             except queue.Empty:
                 raise DecodeFailed(f"decode server sent nothing for {timeout_s:.1f}s") from None
-            if err is not None:
-                raise stream_error(err)
-            data = result.as_numpy(errors.ERROR_OUTPUT)
-            if data is not None and data.size:  # the decode model's typed error (its Triton error follows)
-                raise errors.from_wire(bytes(data.reshape(-1)[0]))
-            resp = result.get_response()
-            final = resp.parameters.get("triton_final_response")
-            final = bool(final and final.bool_param)
-            toks = result.as_numpy("token_ids")
-            fr = result.as_numpy("finish_reason")
-            reason = fr.reshape(-1)[0].decode() if fr is not None and fr.size else None
-            yield TokenChunk([] if toks is None else [int(x) for x in toks.reshape(-1)],
-                             reason or ("stop" if final else None))
-            if final:
-                return
+            ids: list = []
+            while True:
+                try:
+                    chunk = self._chunk(*item)
+                except Exception:
+                    if ids:  # tokens that arrived before the error still count (a migration resumes after them)
+                        yield TokenChunk(ids)
+                    raise
+                ids += chunk.token_ids
+                if chunk.finish_reason is not None:
+                    yield TokenChunk(ids, chunk.finish_reason)
+                    return
+                try:
+                    item = self.q.get_nowait()
+                except queue.Empty:
+                    break
+            yield TokenChunk(ids)
+
+    @staticmethod
+    def _chunk(result, err) -> TokenChunk:
+        if err is not None:
+            raise stream_error(err)
+        data = result.as_numpy(errors.ERROR_OUTPUT)
+        if data is not None and data.size:  # the decode model's typed error (its Triton error follows)
+            raise errors.from_wire(bytes(data.reshape(-1)[0]))
+        resp = result.get_response()
+        final = resp.parameters.get("triton_final_response")
+        final = bool(final and final.bool_param)
+        toks = result.as_numpy("token_ids")
+        fr = result.as_numpy("finish_reason")
+        reason = fr.reshape(-1)[0].decode() if fr is not None and fr.size else None
+        return TokenChunk([] if toks is None else [int(x) for x in toks.reshape(-1)],
+                          reason or ("stop" if final else None))
 
     def close(self, cancel: bool = False) -> None:
         try:

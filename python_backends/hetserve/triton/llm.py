@@ -29,6 +29,7 @@ from ..reliability import CircuitBreaker, DecodePool
 from ..stages.grpc_decode import GrpcDecodeClient
 from ..stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
 from ..stages.types import GenerateRequest, PrefillJob, PrefillResult
+from ..tokenizer import encode_prompt
 from .common import (
     PREFILL_HOP,
     RequestError,
@@ -137,8 +138,8 @@ class TritonPythonModel:
             return ids
         if t.get("text_input") is None:
             raise RequestError("provide 'text_input' (or 'input_ids')")
-        ins = [pb_utils.Tensor(n, t[n]) for n in ("text_input", "apply_chat_template") if t.get(n) is not None]
-        return [int(x) for x in _bls("preprocess", ins, ["input_ids"])["input_ids"].reshape(-1)]
+        return encode_prompt(tokenizer(), schema.scalar(t, "text_input", None, str),
+                             bool(schema.scalar(t, "apply_chat_template", True)))
 
     def _handle(self, r, sender):
         streamer = None
