@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+from typing import Callable, List, Optional
 
 from . import config
 from .kv.transport.registry import CPU_NAMES as CPU_TRANSPORTS
@@ -52,7 +53,100 @@ def _gen_params(args) -> dict:
                                            "kv_dtype", "decode_precision") if getattr(args, k, None) is not None}
 
 
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) turned into an exception in the launcher's main thread."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.signame = signal.Signals(signum).name
+        super().__init__(self.signame)
+
+
+class _Lifecycle:
+    """The stop signals of a launcher (`hetserve up`, `hetserve serve`), installed before it spawns anything.
+
+    The first SIGINT/SIGTERM/SIGHUP raises Interrupted in the main thread wherever it is (engine build, a server's
+    start-up, serving), except inside server.signals_held() (a child being spawned and recorded), where it waits for
+    the block's end. The caller then runs teardown(): it refuses new children, runs the cleanups registered so far
+    (last first) and stops every child still recorded in server.CHILDREN (each removes its shm regions). Any later
+    signal raises nothing: it SIGKILLs every child at once (Ctrl-C again: no waiting), and the teardown goes on."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.signum: Optional[int] = None  # the stop signal that raised Interrupted
+        self.tearing_down = False
+        self.cleanups: List[Callable[[], None]] = []
+
+    def install(self) -> "_Lifecycle":
+        from .server import STOP_SIGNALS
+
+        for s in STOP_SIGNALS:
+            if s == signal.SIGHUP and signal.getsignal(s) is signal.SIG_IGN:
+                continue  # nohup: stay running when the terminal goes
+            signal.signal(s, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame):
+        from .server import CHILDREN, defer_signal
+
+        name = signal.Signals(signum).name
+        if self.signum is None and not self.tearing_down:
+            if defer_signal(signum):
+                return
+            self.signum = signum
+            print(f"{self.name}: {name}: stopping everything it started ({name} again: kill at once)",
+                  file=sys.stderr, flush=True)
+            raise Interrupted(signum)
+        print(f"{self.name}: {name} during teardown: killing what is left", file=sys.stderr, flush=True)
+        CHILDREN.kill_all()
+
+    def teardown(self) -> None:
+        """Idempotent; from its first line on, no signal raises (run it in a loop that catches Interrupted: the
+        first signal can still land on the call itself)."""
+        from .server import CHILDREN
+
+        self.tearing_down = True
+        CHILDREN.close()
+        while self.cleanups:
+            fn = self.cleanups.pop()
+            try:
+                fn()
+            except Exception as e:  # the next cleanups still run
+                print(f"{self.name}: teardown: {e!r}", file=sys.stderr)
+        CHILDREN.stop_all()
+
+
+def _run_launcher(name: str, body: Callable[["_Lifecycle"], int], serving: Callable[[], bool]) -> int:
+    """body(life) with stop signals handled from before its first child to after its last one is gone. Exit code:
+    body's; a stop signal while serving() is 0 (stopped as asked), one during start-up 128 + the signal number."""
+    life = _Lifecycle(name).install()
+    rc: Optional[int] = None
+    try:
+        rc = body(life)
+    except Interrupted:
+        pass
+    finally:
+        while True:  # a signal right here (before teardown's first line) raises again: teardown from the top
+            try:
+                life.teardown()
+                break
+            except Interrupted:
+                continue
+    if rc is not None:  # body's own end (a signal during the teardown after it does not change it)
+        return rc
+    assert life.signum is not None  # body ended by Interrupted (any other exception propagates)
+    if serving():
+        return 0
+    print(f"{name}: {signal.Signals(life.signum).name} during start-up: stopped", file=sys.stderr)
+    return 128 + life.signum
+
+
 def cmd_up(args) -> int:
+    state = {"serving": False}
+    return _run_launcher("hetserve up", lambda life: _up(args, life, state), lambda: state["serving"])
+
+
+def _up(args, life: "_Lifecycle", state: dict) -> int:
     import threading
 
     from .cluster import Autoscaler, LocalCluster, ScalePolicy
@@ -65,7 +159,6 @@ def cmd_up(args) -> int:
         print("hetserve up: refusing to start: " + "; ".join(problems), file=sys.stderr)
         return 1
     env = {"HETSERVE_SNAPSHOT_DIR": args.snapshot_dir or str(REPO_ROOT / ".hetserve" / "snapshots")}
-    scaler = stop_scaler = None
     lo = hi = n = 1
     if args.decode_servers > 1 or args.autoscale:
         spec = args.autoscale or f"{args.decode_servers}:{args.decode_servers}"
@@ -79,6 +172,7 @@ def cmd_up(args) -> int:
         n = min(max(args.decode_servers, lo), hi)
     topo = LocalCluster(ed, base_port=args.base_port, n_decode=n, env=env, pin=not args.no_pin,
                         host=bind_host(args.host), static_decode=not (args.decode_servers > 1 or args.autoscale))
+    life.cleanups.append(topo.stop)  # before the first server is spawned
     print(f"starting {n} decode server(s) (gRPC {', '.join(topo.decode_grpc(i) for i in range(n))}) and the "
           f"prefill server (gRPC {topo.prefill_grpc}, HTTP {topo.prefill_http}) ...", file=sys.stderr)
     if not _start(topo):
@@ -86,33 +180,25 @@ def cmd_up(args) -> int:
     if args.autoscale:
         scaler = Autoscaler(topo, ScalePolicy(min_n=lo, max_n=hi))
         stop_scaler = threading.Event()
+        life.cleanups.append(stop_scaler.set)
         threading.Thread(target=scaler.run, args=(stop_scaler,), daemon=True).start()
         print(f"autoscaling decode servers between {lo} and {hi}", file=sys.stderr)
     print("servers ready", file=sys.stderr)
-    rc = 0
     fe = None
-    try:
-        if not args.no_openai:
-            fe = _start_openai(args, topo.prefill_grpc, ed, bind_host(args.host))
-            if fe is None:
-                return 1
-        if args.prompt:
-            print(f"> {args.prompt}", file=sys.stderr)
-            rc = _print_stream(topo.prefill_grpc, args.prompt, "llm", **_gen_params(args))
-        if args.exit_after_prompt:
-            return rc
-        print(f"serving; try: hetserve generate --url {topo.prefill_grpc} \"Hello\"   (Ctrl-C stops)",
-              file=sys.stderr)
-        rc = _supervise(lambda: topo.processes() + ([fe] if fe else []), topo.restart_if_decode)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if stop_scaler is not None:
-            stop_scaler.set()
-        if fe is not None:
-            fe.stop()
-        topo.stop()
-    return rc
+    if not args.no_openai:
+        fe = _start_openai(args, topo.prefill_grpc, ed, bind_host(args.host), life)
+        if fe is None:
+            return 1
+    state["serving"] = True
+    rc = 0
+    if args.prompt:
+        print(f"> {args.prompt}", file=sys.stderr)
+        rc = _print_stream(topo.prefill_grpc, args.prompt, "llm", **_gen_params(args))
+    if args.exit_after_prompt:
+        return rc
+    print(f"serving; try: hetserve generate --url {topo.prefill_grpc} \"Hello\"   (Ctrl-C stops)",
+          file=sys.stderr)
+    return _supervise(lambda: topo.processes() + ([fe] if fe else []), topo.restart_if_decode)
 
 
 def _unservable_engines(manifest: dict, engine_dir: str) -> list:
@@ -124,7 +210,7 @@ def _unservable_engines(manifest: dict, engine_dir: str) -> list:
     return unresolved_engines(manifest, names)
 
 
-def _start_openai(args, triton_url: str, engine_dir: str, host: str):
+def _start_openai(args, triton_url: str, engine_dir: str, host: str, life: "_Lifecycle"):
     """The OpenAI-compatible frontend next to the servers (port base+80 unless --openai-port); None on failure."""
     from .openai_api.process import FrontendProcess, FrontendSpec
     from .server import REPO_ROOT, ServerError
@@ -132,11 +218,11 @@ def _start_openai(args, triton_url: str, engine_dir: str, host: str):
     port = args.openai_port or args.base_port + 80
     fe = FrontendProcess(FrontendSpec(triton_url, port, engine_dir, host=host,
                                       log_file=str(REPO_ROOT / ".hetserve" / "logs" / f"openai-{port}.log")))
+    life.cleanups.append(fe.stop)  # before it is spawned
     try:
         fe.start().wait_ready()
     except ServerError as e:
         print(f"hetserve up: {e}", file=sys.stderr)
-        fe.stop()
         return None
     print(f"OpenAI API: {fe.spec.url}  (models: {fe.spec.url}/models)", file=sys.stderr)
     return fe
@@ -154,14 +240,11 @@ def _start(topo) -> bool:
 
 
 def _supervise(processes, restart=None) -> int:
-    """Block until SIGINT/SIGTERM (0) or until a server dies that `restart(proc)` does not bring back (1, with its
-    log tail). The servers run in their own sessions, so a signal to this launcher alone must stop them: the
-    caller's finally does."""
-    sigs = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    """Block until a server dies that `restart(proc)` does not bring back (1, with its log tail). A stop signal
+    raises Interrupted out of here (the caller's _Lifecycle): the servers run in their own sessions, so a signal
+    to this launcher alone must stop them, and the launcher's teardown does."""
     while True:
-        if signal.sigtimedwait(sigs, 1.0) is not None:
-            return 0
+        time.sleep(1.0)
         dead = [p for p in processes() if not p.alive()]
         if dead and restart is not None:
             dead = [p for p in dead if not restart(p)]
@@ -184,31 +267,33 @@ def cmd_serve(args) -> int:
         return serve(cfg, ready_cb=lambda c: print(f"OpenAI API on http://{c.host}:{c.port}/v1 -> Triton "
                                                    f"{c.triton_url}", file=sys.stderr))
     args.http_port = args.http_port or 8000
+    state = {"serving": False}
 
-    env = {}
-    if args.decode_url:
-        env["HETSERVE_DECODE_URL"] = args.decode_url
-    if not config.get("HETSERVE_ADMIN_KEY"):
-        from .server import admin_key, admin_key_file
+    def body(life: "_Lifecycle") -> int:
+        env = {}
+        if args.decode_url:
+            env["HETSERVE_DECODE_URL"] = args.decode_url
+        if not config.get("HETSERVE_ADMIN_KEY"):
+            from .server import admin_key, admin_key_file
 
-        admin_key()
-        print(f"hetserve serve: HETSERVE_ADMIN_KEY is not set; the admin APIs use the local key in "
-              f"{admin_key_file()} (set the same HETSERVE_ADMIN_KEY on prefill and decode servers on other hosts)",
-              file=sys.stderr)
-    spec = ServerSpec(args.role, args.http_port, args.grpc_port, args.metrics_port, _engine_dir(args),
-                      model_repository=args.model_repository or default_model_repository(), env=env,
-                      host=bind_host(args.host), admin_port=getattr(args, "admin_port", None))
-    try:
-        p = TritonProcess(spec).start()
-    except ServerError as e:
-        print(f"hetserve serve: {e}", file=sys.stderr)
-        return 1
-    try:
+            admin_key()
+            print(f"hetserve serve: HETSERVE_ADMIN_KEY is not set; the admin APIs use the local key in "
+                  f"{admin_key_file()} (set the same HETSERVE_ADMIN_KEY on prefill and decode servers on other "
+                  f"hosts)", file=sys.stderr)
+        spec = ServerSpec(args.role, args.http_port, args.grpc_port, args.metrics_port, _engine_dir(args),
+                          model_repository=args.model_repository or default_model_repository(), env=env,
+                          host=bind_host(args.host), admin_port=getattr(args, "admin_port", None))
+        p = TritonProcess(spec)
+        life.cleanups.append(p.stop)
+        try:
+            p.start()
+        except ServerError as e:
+            print(f"hetserve serve: {e}", file=sys.stderr)
+            return 1
+        state["serving"] = True  # a container's server: stopping it is the normal end (exit 0)
         return _supervise(lambda: [p])
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        p.stop()
+
+    return _run_launcher("hetserve serve", body, lambda: state["serving"])
 
 
 def cmd_generate(args) -> int:

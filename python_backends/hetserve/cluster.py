@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from . import config
-from .server import REPO_ROOT, ServerSpec, TritonProcess, bind_host, check_ports_free
+from .server import CHILDREN, REPO_ROOT, ServerSpec, TritonProcess, bind_host, check_ports_free
 
 log = logging.getLogger("hetserve.cluster")
 
@@ -111,10 +113,11 @@ class LocalCluster:
                           log_file=str(Path(self.log_dir) / f"decode{i}-{self.base_port}.log"))
 
     def _start_decode(self, i: int, timeout: float) -> TritonProcess:
-        p = TritonProcess(self._decode_spec(i)).start()
+        p = TritonProcess(self._decode_spec(i))
         try:
+            p.start()
             p.wait_ready(timeout)
-        except Exception:
+        except BaseException:  # a stop signal (KeyboardInterrupt, cli's Interrupted) too
             p.stop()
             raise
         return p
@@ -135,15 +138,22 @@ class LocalCluster:
     def start(self, timeout: float = 300.0) -> "LocalCluster":
         check_ports_free([self._decode_spec(i) for i in range(self.n_initial)]
                          + [self._prefill_spec(j) for j in range(self.n_prefill)])
+        # each server is in self.decode / self.prefills before it is spawned, so stop() finds every one started,
+        # whatever interrupts this (a server that fails, Ctrl-C, SIGTERM)
         try:
-            procs = {i: TritonProcess(self._decode_spec(i)).start(check_ports=False) for i in range(self.n_initial)}
-            self.decode.update(procs)
+            for i in range(self.n_initial):
+                p = TritonProcess(self._decode_spec(i))
+                with self._lock:
+                    self.decode[i] = p
+                p.start(check_ports=False)
             self._write_registry()
             for j in range(self.n_prefill):
-                self.prefills.append(TritonProcess(self._prefill_spec(j)).start(check_ports=False))
-            for p in list(procs.values()) + self.prefills:
+                p = TritonProcess(self._prefill_spec(j))
+                self.prefills.append(p)
+                p.start(check_ports=False)
+            for p in self.processes():
                 p.wait_ready(timeout)
-        except Exception:
+        except BaseException:
             self.stop()
             raise
         return self
@@ -296,14 +306,14 @@ http {{
     def start(self, timeout_s: float = 15.0) -> "NginxLB":
         import shutil
         import socket
-        import subprocess
 
         exe = shutil.which("nginx") or "/usr/sbin/nginx"
         self.root.mkdir(parents=True, exist_ok=True)
         conf = self.root / "nginx.conf"
         conf.write_text(self.config())
-        self.proc = subprocess.Popen([exe, "-c", str(conf), "-p", str(self.root)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.STDOUT)
+        # a session of its own, as the servers: the launcher's teardown (or a second Ctrl-C) ends master and workers
+        CHILDREN.spawn(self, [exe, "-c", str(conf), "-p", str(self.root)], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.STDOUT)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -317,11 +327,13 @@ http {{
 
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.terminate()  # nginx's master stops its workers
             try:
                 self.proc.wait(10)
-            except Exception:
-                self.proc.kill()
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        CHILDREN.forget(self)
 
 
 _SAMPLE = re.compile(r'^(hetserve_utilization_ratio|hetserve_queue_depth|hetserve_batch_size)(\{[^}]*\})?\s+(\S+)$')

@@ -5,9 +5,15 @@ otherwise; the admin APIs (model repository control, shared-memory registration,
 requests carrying the deployment's admin key (header `hetserve-admin-key`, HETSERVE_ADMIN_KEY, random per
 launcher when unset); ports already in use are refused before anything starts; stop() ends the server's whole
 process group (tritonserver and its python backend stubs) and removes the shared-memory regions they leave.
+
+Every child a launcher starts (tritonservers, the OpenAI frontend, nginx) is spawned through CHILDREN.spawn: with
+SIGINT/SIGTERM/SIGHUP held in the spawning thread until the child is recorded both on its owner (`owner.proc`) and in
+the registry, so a stop signal at any moment finds every child already known (cli.py's _Lifecycle stops them all).
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -18,11 +24,12 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 from . import config
 
@@ -156,26 +163,32 @@ def owns_port(pid: int, port: int) -> bool:
 
 # ---- leftovers -----------------------------------------------------------------------------------
 SHM_DIR = Path("/dev/shm")
-SHM_PATTERNS = ("triton_python_backend_shm_region_*", "hetserve_kv_*")  # Triton's python backend, our KV sender
+PB_SHM_PREFIX = "triton_python_backend_shm_region_"  # Triton's python backend (one region per model stub)
+KV_SHM_PREFIX = "hetserve_kv_"  # our KV sender (kv/transport/shm.py), mapped by the prefill stub and the decode server
+SHM_PATTERNS = (PB_SHM_PREFIX + "*", KV_SHM_PREFIX + "*")
+_SERVER_SEQ = itertools.count()
 
 
 def _shm_in_use() -> set:
     """Names of /dev/shm files some live process maps or holds open."""
-    used = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    return shm_mapped_by(pid for pid in os.listdir("/proc") if pid.isdigit())
+
+
+def shm_mapped_by(pids) -> Set[str]:
+    """Names of the /dev/shm files the processes `pids` map or hold open."""
+    out = set()
+    for pid in pids:
         try:
             for line in open(f"/proc/{pid}/maps"):
                 if "/dev/shm/" in line:
-                    used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
+                    out.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if link.startswith("/dev/shm/"):
-                    used.add(link[9:].split()[0])
+                    out.add(link[9:].split()[0])
         except OSError:
             continue
-    return used
+    return out
 
 
 def sweep_stale_shm(min_age_s: float = 30.0) -> List[str]:
@@ -307,11 +320,140 @@ class ServerSpec:
         return f"{self._client_host()}:{self.http_port}"
 
 
+# ---- children ------------------------------------------------------------------------------------
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a launcher (cli.py's _Lifecycle)
+
+
+class _Held:
+    depth = 0  # main thread inside signals_held()
+    pending: List[int] = []  # stop signals a handler deferred meanwhile
+
+
+def defer_signal(signum: int) -> bool:
+    """For a launcher's Python signal handler (it runs in the main thread): True when the main thread is inside
+    signals_held(), the signal then being raised again at the block's end; False: handle it now."""
+    if _Held.depth > 0:
+        _Held.pending.append(signum)
+        return True
+    _Held.pending.clear()
+    return False
+
+
+@contextlib.contextmanager
+def signals_held():
+    """A block a stop signal must not cut in two (spawning a child and recording it). The signals are blocked in
+    this thread (a child forked here inherits the mask until its preexec restores it), and a handler that asks
+    defer_signal() waits for the block's end: a signal another thread received (numpy's, gRPC's) is handled by a
+    Python handler in the main thread, whatever that thread's mask."""
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    if main:
+        _Held.depth += 1
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if main:
+            _Held.depth -= 1
+            if _Held.depth == 0 and _Held.pending:
+                signum = _Held.pending[0]
+                _Held.pending.clear()
+                signal.raise_signal(signum)
+
+
+class ChildRegistry:
+    """Every process a launcher spawned and has not reaped yet, each with its owner (TritonProcess, FrontendProcess,
+    NginxLB: objects with `.proc` and `.stop()`). spawn() records the child before a stop signal can be handled;
+    close() refuses later spawns (a launcher tearing down: the autoscaler thread may be starting a server);
+    stop_all() stops what is left; kill_all() SIGKILLs it at once (a second Ctrl-C during teardown)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owners: Dict[int, object] = {}  # pid -> owner
+        self.closed = False
+
+    def spawn(self, owner, argv: List[str], new_session: bool = True, cpus: Optional[Sequence[int]] = None,
+              **popen_kw) -> subprocess.Popen:
+        """Popen(argv) with the stop signals held until `owner.proc` is set and the child recorded. The child gets
+        the default handlers and an empty signal mask back before exec; `new_session`: it leads a session (and
+        process group) of its own, so stop() can end it with everything it starts; `cpus`: pinned to them."""
+        held = [s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]  # nohup's SIGHUP stays off
+
+        def child():
+            if new_session:
+                os.setsid()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            for s in held:  # a signal that reached the child before setsid() kills it, not a Python handler
+                signal.signal(s, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+        with signals_held():
+            with self._lock:
+                if self.closed:
+                    raise ServerError(f"shutting down: not starting {Path(argv[0]).name}")
+                proc = subprocess.Popen(argv, preexec_fn=child, **popen_kw)
+                owner.proc = proc
+                owner._own_group = new_session
+                self._owners[proc.pid] = owner
+        return proc
+
+    def forget(self, owner) -> None:
+        """`owner`'s child is reaped (its stop() ran to the end)."""
+        with self._lock:
+            for pid in [pid for pid, o in self._owners.items() if o is owner]:
+                del self._owners[pid]
+
+    def owners(self) -> list:
+        with self._lock:
+            return list(self._owners.values())
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+
+    def stop_all(self) -> None:
+        """Refuse new children, then stop() every one still recorded (each removes its shm regions)."""
+        self.close()
+        for o in self.owners():
+            try:
+                o.stop()
+            except Exception:
+                log.exception("stopping pid %s", getattr(o.proc, "pid", None))
+
+    def kill_all(self) -> None:
+        """SIGKILL every recorded child (its whole group when it leads one) now; their owners' stop() then only
+        reaps them and removes their shm regions. Safe in a signal handler: no lock, no waiting."""
+        for o in list(self._owners.values()):
+            proc = o.proc
+            if proc is None or proc.returncode is not None:
+                continue
+            note = getattr(o, "note_shm", None)
+            if note is not None:
+                note()  # what the group maps, before it dies (KV regions are found this way)
+            try:
+                if getattr(o, "_own_group", False):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    os.kill(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+CHILDREN = ChildRegistry()
+
+
 class TritonProcess:
     def __init__(self, spec: ServerSpec):
         self.spec = spec
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
+        self._own_group = True
+        # this server's python backend regions: /dev/shm/<shm_prefix><uuid>, one per model stub (launcher pid, gRPC
+        # port and a per-launcher count: stop() removes exactly these, even those a killed stub never unmapped)
+        self.shm_prefix = f"{PB_SHM_PREFIX}hetserve-{os.getpid()}-{spec.grpc_port}-{next(_SERVER_SEQ)}_"
+        self._shm_seen: Set[str] = set()  # KV regions (hetserve_kv_*) this server's processes were seen mapping
+        self._stopped = False  # stop() ran to its end: the group is gone (its pgid may be reused: never signal it)
 
     def command(self) -> List[str]:
         s = self.spec
@@ -327,6 +469,7 @@ class TritonProcess:
                "--backend-config=python,shm-default-byte-size=16777216",
                "--backend-config=python,shm-growth-byte-size=16777216",
                "--backend-config=python,stub-timeout-seconds=120",
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
                "--log-verbose=0"]
         cmd += [f"--load-model={m}" for m in ROLE_MODELS[s.role]]
         return cmd
@@ -345,21 +488,18 @@ class TritonProcess:
         env = stub_environment({"HETSERVE_ENGINE_DIR": s.engine_dir, "HETSERVE_ROLE": s.role,
                                 "HETSERVE_ADMIN_KEY": admin_key(), **admin, **s.env})
         cpus = list(s.cpus) if s.cpus else None
-        if s.cpus:
+        if cpus:
             env["HETSERVE_THREADS"] = str(len(cpus))
-
-        def pin():  # act as a separate device: pin to its own cores
-            os.setsid()
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
+        cmd = self.command()
         out = subprocess.DEVNULL
         if s.log_file:
             Path(s.log_file).parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(s.log_file, "ab")
+            if self._log is None:
+                self._log = open(s.log_file, "ab")
             out = self._log
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     preexec_fn=pin)
+        # its own session (stop() ends the group: tritonserver and its stubs), pinned to its cores (a separate
+        # device); self.proc is set before a stop signal can be handled
+        CHILDREN.spawn(self, cmd, cpus=cpus, env=env, stdout=out, stderr=subprocess.STDOUT)
         return self
 
     def wait_ready(self, timeout: float = 180.0) -> None:
@@ -389,31 +529,62 @@ class TritonProcess:
     def log_tail(self, n: int = 4000) -> str:
         return log_tail(self.spec.log_file, n)
 
+    def note_shm(self) -> None:
+        """Remember the KV regions this server's processes map now (stop() removes them once nobody does)."""
+        if self.proc is not None:
+            pids = [pid for pid, state, _, g, _ in proc_stats() if g == self.proc.pid and state != "Z"]
+            self._shm_seen |= {n for n in shm_mapped_by(pids) if n.startswith(KV_SHM_PREFIX)}
+
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left of it (python backend stubs can outlive
-        tritonserver), then remove the shared-memory regions nobody maps any more."""
-        if not self.proc:
+        tritonserver), then remove its shared-memory regions: its python backend ones (by its prefix) and the KV
+        ones it mapped that no live process maps any more. Idempotent; a stop cut short can be run again."""
+        if not self.proc or self._stopped:
+            self._close_log()
             return
         pgid = self.proc.pid  # start() made it a session (and group) leader
-        try:
-            if self.proc.poll() is None:
-                try:
-                    os.killpg(pgid, signal.SIGTERM)
-                    self.proc.wait(timeout)
-                except (subprocess.TimeoutExpired, ProcessLookupError):
-                    pass
-            _kill_group(pgid)
-            if self.proc.poll() is None:
-                self.proc.wait(5)
-        finally:
-            if self._log:
-                self._log.close()
-                self._log = None
-        sweep_stale_shm(min_age_s=2.0)
+        self.note_shm()
+        if self.proc.poll() is None:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        self.note_shm()  # stubs still running after tritonserver (and regions made meanwhile)
+        _kill_group(pgid)
+        if self.proc.poll() is None:
+            self.proc.wait(5)
+        self._stopped = True
+        self._close_log()
+        self._remove_shm()
+        CHILDREN.forget(self)
+
+    def _close_log(self) -> None:
+        if self._log:
+            self._log.close()
+            self._log = None
+
+    def _remove_shm(self) -> None:
+        names = {p.name for p in SHM_DIR.glob(self.shm_prefix + "*")} | self._shm_seen
+        if not names:
+            return
+        used = _shm_in_use()
+        removed = 0
+        for n in names - used:
+            try:
+                (SHM_DIR / n).unlink()
+                removed += 1
+            except OSError:
+                pass
+        self._shm_seen &= used  # still mapped (another of our servers): removed when that one stops
+        if removed:
+            log.info("%s server: removed %d shared-memory region(s)", self.spec.role, removed)
 
     def kill9(self) -> None:
-        """Simulated crash: SIGKILL the whole group at once (no cleanup, as a real crash)."""
+        """Simulated crash: SIGKILL the whole group at once (no cleanup, as a real crash; a later stop() removes its
+        shm regions as after a real one)."""
         if self.proc and self.proc.poll() is None:
+            self.note_shm()
             _kill_group(self.proc.pid)
             self.proc.wait(5)
 

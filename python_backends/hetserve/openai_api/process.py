@@ -1,5 +1,6 @@
 """The OpenAI frontend as a child process of `hetserve up` (its own session, like the Triton servers, so the
-launcher's supervisor and stop logic treat it the same way: alive(), log_tail(), stop())."""
+launcher's supervisor and stop logic treat it the same way: alive(), log_tail(), stop()). It is spawned through
+server.CHILDREN, so a stop signal at any moment of the launcher finds it recorded."""
 from __future__ import annotations
 
 import json
@@ -45,16 +46,17 @@ class FrontendProcess:
                 "--http-port", str(s.port), "--host", s.host, "--engine-dir", s.engine_dir]
 
     def start(self) -> "FrontendProcess":
-        from ..server import ServerError, port_in_use
+        from ..server import CHILDREN, ServerError, port_in_use
 
         if port_in_use(self.spec.port, self.spec.host):
             raise ServerError(f"port {self.spec.port} (openai frontend) already in use; pick another --openai-port")
         out = subprocess.DEVNULL
         if self.spec.log_file:
             Path(self.spec.log_file).parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.spec.log_file, "ab")
+            if self._log is None:
+                self._log = open(self.spec.log_file, "ab")
             out = self._log
-        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        CHILDREN.spawn(self, self.command(), stdout=out, stderr=subprocess.STDOUT)  # sets self.proc
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -82,6 +84,9 @@ class FrontendProcess:
         return log_tail(self.spec.log_file, n)
 
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM its process group (uvicorn shuts down gracefully), SIGKILL it after `timeout`. Idempotent."""
+        from ..server import CHILDREN
+
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -90,7 +95,8 @@ class FrontendProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
             except ProcessLookupError:
-                pass
+                self.proc.wait(5)
         if self._log:
             self._log.close()
             self._log = None
+        CHILDREN.forget(self)
