@@ -60,7 +60,8 @@ class Model:
     """Tokenizer, chat template and context length of the served model (from the engine manifest)."""
 
     def __init__(self, engine_dir: str):
-        from ..engines.builder import default_engine_dir, load_tokenizer
+        from ..engines.builder import default_engine_dir
+        from ..engines.manifest import load_tokenizer
         from ..engines.manifest import read_manifest
 
         d = engine_dir or default_engine_dir()
