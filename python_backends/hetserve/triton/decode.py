@@ -4,7 +4,9 @@ its dataclasses; the ops are described there.
 """
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -26,26 +28,104 @@ log = logging.getLogger("hetserve.decode")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-class SenderReply:
-    """stages.types.Reply over a Triton response sender."""
+class TokenOutbox:
+    """One thread sends the decode model's token responses. The scheduler hands a stream's tokens over and goes
+    on with its next step; while a stream's earlier response is still being sent, its new tokens gather into the
+    next one (one response per step for a stream that keeps up, several tokens in one when it falls behind). Per
+    stream the order holds: tokens, then the final tokens or error. Bounded: one entry per live stream.
+    Cancellation (Triton 2.51 can crash on a response sent to a stream it cancelled, docs/reliability.md) is asked
+    right before each send, here, and remembered for the scheduler's per-token check."""
 
-    def __init__(self, sender):
-        self.sender = sender
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._pending: "collections.OrderedDict[int, list]" = collections.OrderedDict()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="decode-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, reply: "SenderReply", ids, reason, final: bool, error=None) -> None:
+        with self._cv:
+            e = self._pending.get(id(reply))
+            if e is None:
+                self._pending[id(reply)] = [reply, list(ids), reason, final, error]
+                self._cv.notify()
+            else:
+                e[1].extend(ids)
+                e[2], e[3], e[4] = reason or e[2], final or e[3], error or e[4]
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stop:
+                    self._cv.wait()
+                if not self._pending:
+                    return
+                batch = list(self._pending.values())
+                self._pending.clear()
+            for reply, ids, reason, final, error in batch:
+                try:
+                    reply.deliver(ids, reason, final, error)
+                except Exception as e:  # the stream is gone: nothing left to tell it
+                    log.info("decode response not delivered: %s", e)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=5)
+
+
+class SenderReply:
+    """stages.types.Reply over a Triton response sender; tokens and errors go out through the TokenOutbox."""
+
+    def __init__(self, sender, outbox: TokenOutbox):
+        self.sender, self.outbox = sender, outbox
+        self._cancelled = False
+        self._fresh = False  # the outbox asked Triton since the scheduler last did: its answer stands
 
     def tokens(self, token_ids, finish_reason=None, final=False):
-        tensors = [pb_utils.Tensor("token_ids", np.asarray(token_ids, np.int32))]
-        if finish_reason:
-            tensors.append(str_tensor("finish_reason", [finish_reason]))
-        self.sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL if final else 0)
+        self.outbox.put(self, token_ids, finish_reason, final)
+
+    def error(self, exc):
+        self.outbox.put(self, [], None, True, exc)
+
+    def deliver(self, token_ids, finish_reason, final, error) -> None:
+        """Send on the outbox thread: the tokens, then the error (as data, then the final Triton error, which
+        stages/grpc_decode reads) or the final flag. A cancelled stream gets only its final response."""
+        if token_ids and (final or not self._ask()):
+            tensors = [pb_utils.Tensor("token_ids", np.asarray(token_ids, np.int32))]
+            if finish_reason:
+                tensors.append(str_tensor("finish_reason", [finish_reason]))
+            self.sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL if final and error is None else 0)
+            if final and error is None:
+                return
+        if error is not None:
+            send_error(self.sender, error)
+        elif final:
+            tensors = [str_tensor("finish_reason", [finish_reason])] if finish_reason else []
+            self.sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("token_ids", np.zeros(0, np.int32))]
+                                                        + tensors), flags=FINAL)
 
     def json(self, obj):
         self.sender.send(pb_utils.InferenceResponse([str_tensor("op_json", [json_bytes(obj)])]), flags=FINAL)
 
-    def error(self, exc):
-        send_error(self.sender, exc)  # as data, then the final Triton error (stages/grpc_decode reads the data)
+    def _ask(self) -> bool:
+        """Triton's is_cancelled() (an IPC round trip from the stub), remembered once true."""
+        if not self._cancelled:
+            self._cancelled = bool(getattr(self.sender, "is_cancelled", lambda: False)())
+        self._fresh = True
+        return self._cancelled
 
     def cancelled(self):
-        return bool(getattr(self.sender, "is_cancelled", lambda: False)())
+        """The scheduler's per-token check: the outbox's answer when it asked since the last check (it asks
+        right before each send), else ask now; about one IPC per token either way."""
+        if self._cancelled:
+            return True
+        if self._fresh:
+            self._fresh = False
+            return False
+        self._cancelled = bool(getattr(self.sender, "is_cancelled", lambda: False)())
+        return self._cancelled
 
 
 class TritonPythonModel:
@@ -67,6 +147,7 @@ class TritonPythonModel:
         self.sched.snapshotter = self.snapshots
         # admission work (waiting for KV, recompute) off the request thread; bounded like the scheduler queue
         self.admit = BoundedExecutor(8, max_queue, "decode-admit")
+        self.outbox = TokenOutbox()
         self.stage = DecodeStage(
             engines, cfg, e0.compat_hash, self.sched, self.admit, PendingKV.from_env(),
             DecodeConfig(kv_timeout_s=float(config.get("HETSERVE_KV_TIMEOUT_MS")) / 1e3,
@@ -98,11 +179,12 @@ class TritonPythonModel:
             self.admin.close()
         self.poller.close()
         self.sched.close()
+        self.outbox.close()  # after the scheduler: its last responses go out
         if self.snapshots is not None:
             self.snapshots.close()
         self.admit.shutdown()
 
     def execute(self, requests):
         for r in requests:
-            self.stage.handle_tensors(tensors_of(r, "decode"), SenderReply(r.get_response_sender()))
+            self.stage.handle_tensors(tensors_of(r, "decode"), SenderReply(r.get_response_sender(), self.outbox))
         return None
