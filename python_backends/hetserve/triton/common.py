@@ -67,9 +67,11 @@ def int_list(request, name: str) -> List[int]:
     return schema.int_list(_tensors(request), name)
 
 
+@lru_cache(maxsize=8)
 def internal_token(purpose: str) -> str:
     """Proof that a BLS request comes from one of our own models on this server (stubs inherit the deployment
-    admin key): an HMAC of the key and the hop, e.g. "kv_ingest -> decode" or "llm -> prefill"."""
+    admin key): an HMAC of the key and the hop, e.g. "kv_ingest -> decode" or "llm -> prefill". Computed once per
+    hop (the key is fixed for the process's life)."""
     import hashlib
     import hmac
 
