@@ -216,15 +216,17 @@ def _start_openai(args, triton_url: str, engine_dir: str, host: str, life: "_Lif
     from .server import REPO_ROOT, ServerError
 
     port = args.openai_port or args.base_port + 80
-    fe = FrontendProcess(FrontendSpec(triton_url, port, engine_dir, host=host,
+    fe = FrontendProcess(FrontendSpec(triton_url, port, engine_dir, host=host, model_name=args.served_model_name,
                                       log_file=str(REPO_ROOT / ".hetserve" / "logs" / f"openai-{port}.log")))
     life.cleanups.append(fe.stop)  # before it is spawned
     try:
         fe.start().wait_ready()
-    except ServerError as e:
-        print(f"hetserve up: {e}", file=sys.stderr)
+        models = fe.served_models()
+    except (ServerError, OSError, ValueError, KeyError) as e:
+        print(f"hetserve up: openai frontend: {e}", file=sys.stderr)
         return None
-    print(f"OpenAI API: {fe.spec.url}  (models: {fe.spec.url}/models)", file=sys.stderr)
+    print(f"OpenAI API: {fe.spec.url}  (model: {', '.join(repr(m) for m in models)}; {fe.spec.url}/models)",
+          file=sys.stderr)
     return fe
 
 
@@ -263,9 +265,13 @@ def cmd_serve(args) -> int:
         from .openai_api import FrontendConfig, serve
 
         cfg = FrontendConfig.from_env(triton_url=args.triton_url, engine_dir=_engine_dir(args),
-                                      host=bind_host(args.host), port=args.http_port or 8080)
-        return serve(cfg, ready_cb=lambda c: print(f"OpenAI API on http://{c.host}:{c.port}/v1 -> Triton "
-                                                   f"{c.triton_url}", file=sys.stderr))
+                                      host=bind_host(args.host), port=args.http_port or 8080,
+                                      served_model_name=args.served_model_name)
+        return serve(cfg, ready_cb=lambda c: print(f"OpenAI API on http://{c.host}:{c.port}/v1 (model "
+                                                   f"{c.model_name!r}) -> Triton {c.triton_url}", file=sys.stderr))
+    if args.served_model_name:
+        print("hetserve serve: --served-model-name is for --role openai", file=sys.stderr)
+        return 2
     args.http_port = args.http_port or 8000
     state = {"serving": False}
 
@@ -359,6 +365,8 @@ def main(argv=None) -> int:
     u.add_argument("--decode-servers", type=int, default=1, help="decode servers in the pool (default 1)")
     u.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale decode servers between MIN and MAX")
     u.add_argument("--snapshot-dir", help="KV snapshot directory (default .hetserve/snapshots)")
+    u.add_argument("--served-model-name", help="model name of the OpenAI frontend (default: the checkpoint's: GGUF "
+                   "general.name, else the file name; HF: the directory name; HETSERVE_OPENAI_MODEL wins)")
     _add_gen(u)
     u.set_defaults(fn=cmd_up)
     s = sub.add_parser("serve", help="run one tritonserver role in the foreground (containers)")
@@ -374,6 +382,8 @@ def main(argv=None) -> int:
                    "loopback unless HETSERVE_ADMIN_BIND)")
     s.add_argument("--host", help="address to bind (default 127.0.0.1 or HETSERVE_BIND; containers: 0.0.0.0)")
     s.add_argument("--decode-url", help="decode server gRPC host:port (comma list for a pool)")
+    s.add_argument("--served-model-name", help="--role openai: the model name it serves (default: the checkpoint's; "
+                   "HETSERVE_OPENAI_MODEL wins)")
     s.set_defaults(fn=cmd_serve)
     g = sub.add_parser("generate", help="stream an answer from a running server")
     g.add_argument("prompt")

@@ -165,7 +165,8 @@ _VARS: List[Var] = [
     Var("HETSERVE_UTILIZATION_WINDOW_S", float, 5.0, f"utilization averaging window, {_S}", min=0),
     # ---- OpenAI frontend (openai_api/app.py) ------------------------------------------------------------------
     Var("HETSERVE_OPENAI_TRITON_URL", str, "127.0.0.1:8001", "prefill server gRPC the frontend calls"),
-    Var("HETSERVE_OPENAI_MODEL", str, "smollm2-135m-instruct", "model name the frontend serves"),
+    Var("HETSERVE_OPENAI_MODEL", str, None, "served model name, over --served-model-name; unset: the checkpoint's "
+        "(openai_api/app.py)"),
     Var("HETSERVE_OPENAI_MAX_CONCURRENT", int, 64, "requests the frontend runs at once; more get 503", min=1),
     Var("HETSERVE_OPENAI_MAX_BODY_BYTES", int, 1 << 20, "largest request body, bytes (413 above)", min=1),
     Var("HETSERVE_OPENAI_MAX_PROMPT_CHARS", int, 64 * 1024, "longest prompt, characters (400 above)", min=1),

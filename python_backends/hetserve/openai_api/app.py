@@ -1,6 +1,9 @@
 """OpenAI-compatible HTTP frontend (FastAPI on uvicorn) over the prefill server's `llm` model.
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream true/false, SSE), GET /health.
+The one model it serves is named after the checkpoint the engines were built from (served_model_name): GGUF
+`general.name` (the file name without .gguf when the GGUF has none), an HF checkpoint's directory name, unless
+`--served-model-name` or HETSERVE_OPENAI_MODEL (which wins) names it; a request for any other model is a 404.
 The frontend tokenizes (chat template from the engine manifest, same tokenizer as the servers) so it can count
 prompt tokens and refuse over-long prompts before anything reaches Triton; `llm` gets `input_ids`.
 
@@ -17,7 +20,8 @@ import json
 import logging
 import random
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import AsyncIterator, List, Optional
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' string annotations here
@@ -34,7 +38,7 @@ log = logging.getLogger("hetserve.openai")
 class FrontendConfig:
     triton_url: str = "127.0.0.1:8001"  # prefill server gRPC
     engine_dir: str = ""  # tokenizer + chat template + context length (the servers' engine dir)
-    model_name: str = "smollm2-135m-instruct"
+    model_name: Optional[str] = None  # None: the checkpoint's name (served_model_name)
     host: str = "127.0.0.1"
     port: int = 8080
     max_concurrent: int = 64
@@ -44,10 +48,15 @@ class FrontendConfig:
     step_timeout_s: float = 60.0
 
     @classmethod
-    def from_env(cls, **kw) -> "FrontendConfig":
+    def from_env(cls, served_model_name: Optional[str] = None, **kw) -> "FrontendConfig":
+        """The settings from HETSERVE_* variables, then `kw` (those not None). The model name: HETSERVE_OPENAI_MODEL
+        when set (non-empty), else `served_model_name` (--served-model-name), else None: the checkpoint's name."""
+        env_name = config.get("HETSERVE_OPENAI_MODEL") or None
+        if env_name and served_model_name and served_model_name != env_name:
+            log.warning("HETSERVE_OPENAI_MODEL=%r wins over --served-model-name %r", env_name, served_model_name)
         base = dict(triton_url=config.get("HETSERVE_OPENAI_TRITON_URL"),
                     engine_dir=config.get("HETSERVE_ENGINE_DIR") or "",
-                    model_name=config.get("HETSERVE_OPENAI_MODEL"),
+                    model_name=env_name or served_model_name or None,
                     max_concurrent=config.get("HETSERVE_OPENAI_MAX_CONCURRENT"),
                     max_body_bytes=config.get("HETSERVE_OPENAI_MAX_BODY_BYTES"),
                     max_prompt_chars=config.get("HETSERVE_OPENAI_MAX_PROMPT_CHARS"),
@@ -56,13 +65,23 @@ class FrontendConfig:
         return cls(**base)
 
 
+def served_model_name(manifest: dict) -> str:
+    """The name a build's checkpoint is served under: what the loader recorded as its name in the manifest's config
+    (GGUF `general.name`, or the GGUF file name without .gguf when it has none; HF: the checkpoint directory's
+    name), else derived the same way from the recorded checkpoint path (`source`)."""
+    name = str((manifest.get("config") or {}).get("name") or "").strip()
+    if name:
+        return name
+    src = Path(str(manifest.get("source") or "").rstrip("/"))
+    return (src.stem if src.suffix == ".gguf" else src.name) or "model"
+
+
 class Model:
     """Tokenizer, chat template and context length of the served model (from the engine manifest)."""
 
     def __init__(self, engine_dir: str):
         from ..engines.builder import default_engine_dir
-        from ..engines.manifest import load_tokenizer
-        from ..engines.manifest import read_manifest
+        from ..engines.manifest import load_tokenizer, read_manifest
 
         d = engine_dir or default_engine_dir()
         man = read_manifest(d)
@@ -70,6 +89,7 @@ class Model:
             raise FileNotFoundError(f"{d}: no manifest.json (run `hetserve build` or pass --engine-dir)")
         self.tok = load_tokenizer(d)
         self.context = int(man["config"]["max_position"])
+        self.name = served_model_name(man)
 
 
 def _sse(obj) -> bytes:
@@ -78,8 +98,8 @@ def _sse(obj) -> bytes:
 
 class Frontend:
     def __init__(self, cfg: FrontendConfig):
-        self.cfg = cfg
         self.model = Model(cfg.engine_dir)
+        self.cfg = cfg if cfg.model_name else replace(cfg, model_name=self.model.name)
         self.llm = TritonLLM(cfg.triton_url, max_concurrent=cfg.max_concurrent, step_timeout_s=cfg.step_timeout_s)
 
     # ---- request -> GenRequest ------------------------------------------------------------------
@@ -207,6 +227,7 @@ class Frontend:
 
 def create_app(cfg: FrontendConfig) -> FastAPI:
     fe = Frontend(cfg)
+    cfg = fe.cfg  # with the model name resolved
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -301,7 +322,7 @@ def create_app(cfg: FrontendConfig) -> FastAPI:
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
                                             "owned_by": "hetserve"}]}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name:path}")  # a served name may hold a '/' (org/model)
     async def model(name: str):
         fe._check_model(name)
         return {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "hetserve"}
@@ -323,6 +344,7 @@ def serve(cfg: FrontendConfig, ready_cb=None) -> int:
 
     setup("openai")
     app = create_app(cfg)
+    cfg = app.state.frontend.cfg  # the model name resolved (ready_cb prints it)
     ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, limit_concurrency=cfg.max_concurrent * 2 + 16)
     server = uvicorn.Server(ucfg)

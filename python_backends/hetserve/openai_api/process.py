@@ -24,6 +24,7 @@ class FrontendSpec:
     host: str = "127.0.0.1"
     log_file: Optional[str] = None
     role: str = "openai"
+    model_name: Optional[str] = None  # --served-model-name; None: the checkpoint's name (openai_api/app.py)
 
     @property
     def grpc_port(self) -> int:  # what the supervisor prints for a dead server
@@ -42,8 +43,9 @@ class FrontendProcess:
 
     def command(self) -> List[str]:
         s = self.spec
-        return [sys.executable, "-m", "hetserve", "serve", "--role", "openai", "--triton-url", s.triton_url,
-                "--http-port", str(s.port), "--host", s.host, "--engine-dir", s.engine_dir]
+        cmd = [sys.executable, "-m", "hetserve", "serve", "--role", "openai", "--triton-url", s.triton_url,
+               "--http-port", str(s.port), "--host", s.host, "--engine-dir", s.engine_dir]
+        return cmd + (["--served-model-name", s.model_name] if s.model_name else [])
 
     def start(self) -> "FrontendProcess":
         from ..server import CHILDREN, ServerError, port_in_use
@@ -82,6 +84,11 @@ class FrontendProcess:
         from ..server import log_tail
 
         return log_tail(self.spec.log_file, n)
+
+    def served_models(self, timeout: float = 5.0) -> List[str]:
+        """The model ids its /v1/models lists."""
+        with urllib.request.urlopen(f"http://{self.spec.host}:{self.spec.port}/v1/models", timeout=timeout) as r:
+            return [m["id"] for m in json.loads(r.read())["data"]]
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM its process group (uvicorn shuts down gracefully), SIGKILL it after `timeout`. Idempotent."""
