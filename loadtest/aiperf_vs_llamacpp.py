@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "smollm2-135m-instruct"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the name hetserve serves the default GGUF under
 METRICS = [("request_throughput", "req/s"), ("output_token_throughput", "out tok/s"),
            ("time_to_first_token", "TTFT p50 ms", "p50"), ("time_to_first_token", "TTFT p99 ms", "p99"),
            ("inter_token_latency", "ITL p50 ms", "p50"), ("request_latency", "latency p50 ms", "p50")]

@@ -139,7 +139,7 @@ LATENCY_CSV = os.environ.get("HETSERVE_LATENCY_CSV", "").strip()
 THINK_MIN_S = _env_float("HETSERVE_THINK_MIN", 0.1)
 THINK_MAX_S = _env_float("HETSERVE_THINK_MAX", 0.5)
 OPENAI_URL = os.environ.get("HETSERVE_OPENAI_URL", f"http://{DEFAULT_HOST}:8080/v1").rstrip("/")
-OPENAI_MODEL = os.environ.get("HETSERVE_OPENAI_MODEL", "smollm2-135m-instruct")
+OPENAI_MODEL = os.environ.get("HETSERVE_OPENAI_MODEL", "SmolLM2-135M-Instruct.Q4_1")
 MAX_BACKOFF_S = _env_float("HETSERVE_MAX_BACKOFF", 30.0)
 
 

@@ -15,7 +15,7 @@ from conftest import wait_for
 
 openai = pytest.importorskip("openai")  # installed by scripts/install.sh (.[test]); a skip is a CI failure
 
-MODEL = "Smollm2 135M 8k Lc100K Mix1 Ep2"  # the default GGUF's general.name: the name it is served under
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default GGUF's file name: the name it is served under
 # (tests/test_served_model_name.py: where the name comes from, --served-model-name, HETSERVE_OPENAI_MODEL)
 Q = "What is the capital of France?"
 

@@ -41,8 +41,9 @@ def test_breaker_opens_on_p99_rejects_then_half_open_probe_closes():
     b.allow()
     b.record(0.9)
     assert b.state == OPEN and "p99" in b.reason
-    with pytest.raises(BreakerOpen, match="retry in"):
+    with pytest.raises(BreakerOpen, match="circuit breaker open") as ei:
         b.allow()
+    assert ei.value.retry_after_s == pytest.approx(5.0) and "retry after 5.0s" in ei.value.human()
     clk.t += 5.1
     b.allow()  # the one probe
     assert b.state == HALF_OPEN

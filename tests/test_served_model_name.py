@@ -1,7 +1,8 @@
 """The OpenAI frontend serves the checkpoint under its own name (issue 27), driven by the official `openai` client.
 
-The name comes from the engine dir's manifest, as the build recorded the checkpoint: GGUF `general.name`, the GGUF
-file name without .gguf when it has none, an HF checkpoint's directory name; `--served-model-name` (`hetserve up` /
+The name comes from the engine dir's manifest, as the build recorded the checkpoint: a GGUF's file name without
+.gguf (not `general.name`, often an internal run name shared by every quantization), an HF checkpoint's directory
+name; `--served-model-name` (`hetserve up` /
 `hetserve serve --role openai`) replaces it and HETSERVE_OPENAI_MODEL wins over both. /v1/models lists that one
 name; a request naming another model is a 404 with an OpenAI error body (code model_not_found).
 
@@ -67,17 +68,17 @@ def _assert_404(client, served: str, other: str):
         client.models.retrieve(other)
 
 
-def test_default_gguf_is_served_under_its_general_name(topology, engine_dir):
+def test_default_gguf_is_served_under_its_file_name(topology, engine_dir):
     from hetserve.engines.manifest import read_manifest
 
     src = read_manifest(engine_dir)["source"]
-    name = _gguf_general_name(src)
-    assert name and name != OLD_DEFAULT, f"{src}: general.name {name!r}"
+    name = Path(src).stem
+    assert name == "SmolLM2-135M-Instruct.Q4_1" and name != OLD_DEFAULT, src
     fe = _frontend(topology, engine_dir, topology.base_port + 85)
     try:
         client = _client(fe)
         assert [m.id for m in client.models.list().data] == [name]
-        assert client.models.retrieve(name).id == name  # spaces and all, URL-encoded by the client
+        assert client.models.retrieve(name).id == name
         r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                            temperature=0)
         assert r.model == name and r.usage.completion_tokens >= 1
@@ -101,7 +102,7 @@ def test_default_gguf_is_served_under_its_general_name(topology, engine_dir):
 def test_served_model_name_flag_and_env_precedence(topology, engine_dir):
     from hetserve.engines.manifest import read_manifest
 
-    gguf_name = _gguf_general_name(read_manifest(engine_dir)["source"])
+    gguf_name = Path(read_manifest(engine_dir)["source"]).stem
     fe = _frontend(topology, engine_dir, topology.base_port + 86, model_name="acme/tiny-chat")  # as `hetserve up`
     try:
         client = _client(fe)
@@ -159,13 +160,14 @@ def test_checkpoint_names_as_the_build_records_them(tiny_checkpoints):
 
     assert _gguf_general_name(str(tiny_checkpoints["named"])) == "Tiny Zoo GGUF"
     assert _gguf_general_name(str(tiny_checkpoints["nameless"])) is None
-    assert served_model_name(_recorded(tiny_checkpoints["named"])) == "Tiny Zoo GGUF"
+    assert served_model_name(_recorded(tiny_checkpoints["named"])) == Path(tiny_checkpoints["named"]).stem
     assert served_model_name(_recorded(tiny_checkpoints["nameless"])) == "tiny-nameless.F32"
     assert served_model_name(_recorded(tiny_checkpoints["hf"])) == "TinyZoo-1M-Instruct"
     assert served_model_name(_recorded(str(tiny_checkpoints["hf"]) + "/")) == "TinyZoo-1M-Instruct"
-    # manifests without the loader's name (older builds): the recorded checkpoint path decides
-    assert served_model_name({"source": "/models/Foo-7B.Q4_K_M.gguf", "config": {}}) == "Foo-7B.Q4_K_M"
+    assert served_model_name({"source": "/models/Foo-7B.Q4_K_M.gguf", "config": {"name": "x"}}) == "Foo-7B.Q4_K_M"
+    assert served_model_name({"source": "/m/Big-70B.Q8_0-00001-of-00003.gguf", "config": {}}) == "Big-70B.Q8_0"
     assert served_model_name({"source": "/ckpts/Bar-1B-hf/", "config": {"name": ""}}) == "Bar-1B-hf"
+    assert served_model_name({"source": "", "config": {"name": "Baz"}}) == "Baz"
 
 
 def test_hf_checkpoint_served_under_its_directory_name(topology, engine_dir, tiny_checkpoints, tmp_path):

@@ -109,12 +109,13 @@ class CircuitBreaker:
             if self.state == OPEN:
                 left = self.open_s - (self.clock() - self._opened_at)
                 if left > 0:
-                    raise BreakerOpen(f"circuit breaker open ({self.reason}); retry in {left:.1f}s")
+                    raise BreakerOpen(f"circuit breaker open ({self.reason})", where="llm breaker",
+                                      retry_after_s=max(left, 0.1))
                 self._set(HALF_OPEN, "probing")
                 self._probes_left = self.probes
             if self.state == HALF_OPEN:
                 if self._probes_left <= 0:
-                    raise BreakerOpen("circuit breaker half-open: a probe request is in flight; retry shortly")
+                    raise BreakerOpen("circuit breaker half-open: a probe request is in flight", where="llm breaker")
                 self._probes_left -= 1
 
     def record(self, latency_s: float) -> None:

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import random
+import re
 import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,14 +67,16 @@ class FrontendConfig:
 
 
 def served_model_name(manifest: dict) -> str:
-    """The name a build's checkpoint is served under: what the loader recorded as its name in the manifest's config
-    (GGUF `general.name`, or the GGUF file name without .gguf when it has none; HF: the checkpoint directory's
-    name), else derived the same way from the recorded checkpoint path (`source`)."""
-    name = str((manifest.get("config") or {}).get("name") or "").strip()
-    if name:
-        return name
+    """The name a build's checkpoint is served under: a GGUF's file name without .gguf (and without a split's
+    -0000N-of-0000M: what the user passed, and what llama.cpp's server reports; `general.name` is often an internal
+    run name, and two quantizations of one model share it), an HF checkpoint's directory name, else the name the
+    loader recorded in the manifest's config."""
     src = Path(str(manifest.get("source") or "").rstrip("/"))
-    return (src.stem if src.suffix == ".gguf" else src.name) or "model"
+    if src.suffix == ".gguf":
+        return re.sub(r"-\d{5}-of-\d{5}$", "", src.stem)
+    if src.name:
+        return src.name
+    return str((manifest.get("config") or {}).get("name") or "").strip() or "model"
 
 
 class Model:

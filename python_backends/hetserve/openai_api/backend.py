@@ -36,8 +36,8 @@ def api_error(err: "errors.HetserveError") -> ApiError:
     """A typed hetserve error -> the OpenAI error of its kind (the frontend's one mapping)."""
     if err.kind == errors.BAD_INPUT:
         return ApiError(400, err.message)
-    if err.retryable:
-        return ApiError(err.http_status, err.message, "server_error", code=err.kind,
+    if err.retryable:  # the message keeps the hint for people; Retry-After carries it for clients
+        return ApiError(err.http_status, err.human(), "server_error", code="overloaded",
                         retry_after=retry.header_value(err.retry_after_s))
     return ApiError(err.http_status, err.message, "server_error", code="internal_error")
 

@@ -15,6 +15,7 @@ request id).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 
@@ -109,20 +110,26 @@ class TritonPythonModel:
         self.default_precision = config.get("HETSERVE_DECODE_PRECISION")
         self.max_inflight = int(config.get("HETSERVE_LLM_MAX_INFLIGHT"))
         self._slots = threading.BoundedSemaphore(self.max_inflight)
+        # one worker per request in flight (each blocks on its decode stream), reused: a thread started per
+        # request was a tenth of this stub's CPU (loadtest/stack_cpu.py --profile)
+        self._workers = concurrent.futures.ThreadPoolExecutor(self.max_inflight, thread_name_prefix="llm-request")
         REGISTRY.set("hetserve_breaker_state", 0)
         REGISTRY.declare(TRANSFER_FAILED_METRIC, reason="transfer_failed", transport="grpc")
         breaker = CircuitBreaker.from_env(on_state=lambda st: REGISTRY.set("hetserve_breaker_state", st))
         self.pool = DecodePool.from_env(on_change=self._pool_metrics, on_fallback=lambda req, used, why: REGISTRY.inc(
             "hetserve_kv_transport_fallbacks_total", requested=req, used=used, reason=why))
         self._pool_metrics(self.pool.snapshot())
+        self.decode_client = GrpcDecodeClient()
         self.stage = Orchestrator(
-            BlsPrefill(), GrpcDecodeClient(), self.pool, breaker, self.cfg.eos_token_ids,
+            BlsPrefill(), self.decode_client, self.pool, breaker, self.cfg.eos_token_ids,
             OrchestratorConfig(step_timeout_s=float(config.get("HETSERVE_DECODE_STEP_TIMEOUT_S")),
                                max_migrations=int(config.get("HETSERVE_MAX_MIGRATIONS"))),
             metrics=REGISTRY)
         tokenizer()
 
     def finalize(self):
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self.decode_client.close()
         self.pool.close()
 
     @staticmethod
@@ -183,5 +190,5 @@ class TritonPythonModel:
                                               "(HETSERVE_LLM_MAX_INFLIGHT)", where="llm"),
                            as_data=_wants_stream(r))
                 continue
-            threading.Thread(target=self._run, args=(r, sender), daemon=True).start()
+            self._workers.submit(self._run, r, sender)
         return None
