@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 from .. import errors
 from .types import DecodeFailed, DecodeRequest, TokenChunk
@@ -26,30 +26,118 @@ def stream_error(err) -> Exception:
     return DecodeFailed(f"{status + ': ' if status else ''}{msg}")
 
 
-class GrpcDecodeStream:
-    """One gRPC stream to the decode server's `decode` model for one request."""
+class StreamHub:
+    """One asyncio loop thread per process carries every decode stream: one gRPC channel per decode server
+    (tritonclient.grpc.aio, created on the loop), one HTTP/2 stream per request on it, responses handed to the
+    requesting thread through its bounded queue. The blocking client made a channel, a client and a reader thread
+    per request (13% of the llm stub's samples, loadtest/stack_cpu.py --profile)."""
 
-    def __init__(self, url: str):
-        import tritonclient.grpc as grpcclient
+    def __init__(self):
+        import asyncio
 
-        self.client = grpcclient.InferenceServerClient(url)
-        self.q: "queue.Queue" = queue.Queue(MAX_BUFFERED)
-        self.client.start_stream(callback=self._on_response)
+        self.loop = asyncio.new_event_loop()
+        self._clients: dict = {}
+        self._thread = threading.Thread(target=self.loop.run_forever, name="decode-streams", daemon=True)
+        self._thread.start()
 
-    def _on_response(self, result, error):
+    def client(self, url: str):
+        """The url's aio client (on the loop thread only)."""
+        c = self._clients.get(url)
+        if c is None:
+            import tritonclient.grpc.aio as grpcaio
+
+            c = self._clients[url] = grpcaio.InferenceServerClient(url)
+        return c
+
+    def close(self) -> None:
+        import asyncio
+
+        async def shut():
+            for c in list(self._clients.values()):
+                await c.close()
+            self._clients.clear()
+
         try:
-            self.q.put_nowait((result, error))
+            asyncio.run_coroutine_threadsafe(shut(), self.loop).result(timeout=5)
+        except Exception as e:  # a channel that will not close: the process is going away anyway
+            log.info("decode stream hub close: %s", e)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+class _CallFailed:
+    """What a failed gRPC call puts into a stream's queue in place of an error object (status + message)."""
+
+    def __init__(self, status: str, msg: str):
+        self._status, self._msg = status, msg
+
+    def status(self) -> str:
+        return self._status
+
+    def message(self) -> str:
+        return self._msg
+
+
+class GrpcDecodeStream:
+    """One request's stream to the decode server's `decode` model, carried by the StreamHub's loop."""
+
+    def __init__(self, url: str, hub: StreamHub):
+        self.url, self.hub = url, hub
+        self.q: "queue.Queue" = queue.Queue(MAX_BUFFERED)
+        self._it: Any = None  # the aio stream (cancel() cancels the Triton request)
+        self._task: Any = None
+        self._closed = False
+
+    def _put(self, item) -> None:
+        try:
+            self.q.put_nowait(item)
         except queue.Full:  # the consumer is gone or stuck: drop, it fails on its step timeout
             log.warning("decode stream buffer full (%d responses); dropping one", MAX_BUFFERED)
 
     def start(self, req: DecodeRequest) -> None:
+        import asyncio
+
         from .. import schema
         from ..client import build_inputs
 
         ins = build_inputs(None, op="generate", request_id=req.request_id, input_ids=req.prompt,
                            output_ids=req.output_ids, precision=req.precision,
                            kv_sent=None if req.kv_sent else False, **dict(schema.sampling_arrays(req.params)))
-        self.client.async_stream_infer("decode", ins, request_id=req.request_id, enable_empty_final_response=True)
+        request = {"model_name": "decode", "inputs": ins, "request_id": req.request_id,
+                   "enable_empty_final_response": True}
+        self._task = asyncio.run_coroutine_threadsafe(self._run(request), self.hub.loop)
+
+    async def _run(self, request: dict) -> None:
+        import asyncio
+
+        import grpc
+
+        done = asyncio.Event()
+
+        async def requests():
+            yield request
+            await done.wait()  # our half stays open until the answer is complete
+
+        try:
+            self._it = it = self.hub.client(self.url).stream_infer(requests())
+            if self._closed:
+                it.cancel()
+                return
+            async for result, error in it:
+                self._put((result, error))
+                if error is not None:
+                    return  # an error response ends the request
+                fp = result.get_response().parameters.get("triton_final_response")
+                if fp is not None and fp.bool_param:
+                    return
+        except grpc.RpcError as e:
+            self._put((None, _CallFailed(f"StatusCode.{e.code().name}", str(e.details()))))
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # the stream could not be made (channel, client): the call failed
+            self._put((None, _CallFailed("StatusCode.UNKNOWN", f"{type(e).__name__}: {e}")))
+        finally:
+            done.set()
 
     def responses(self, timeout_s: float) -> Iterator[TokenChunk]:
         """The decode responses as chunks; responses already waiting are merged into one chunk (a consumer that
@@ -94,16 +182,13 @@ class GrpcDecodeStream:
                           reason or ("stop" if final else None))
 
     def close(self, cancel: bool = False) -> None:
-        try:
-            self.client.stop_stream(cancel_requests=cancel)
-        except TypeError:
-            self.client.stop_stream()
-        except Exception:
-            pass
-        try:
-            self.client.close()
-        except Exception:
-            pass
+        """Stop reading; with cancel, cancel the Triton request (the decode server frees the sequence)."""
+        self._closed = True
+        if not cancel:
+            return
+        it = self._it
+        if it is not None:
+            self.hub.loop.call_soon_threadsafe(it.cancel)
 
 
 class GrpcDecodeClient:
@@ -113,9 +198,13 @@ class GrpcDecodeClient:
 
     def __init__(self):
         self._releases = threading.BoundedSemaphore(self.MAX_RELEASES)
+        self.hub = StreamHub()
 
     def open(self, url: str) -> GrpcDecodeStream:
-        return GrpcDecodeStream(url)
+        return GrpcDecodeStream(url, self.hub)
+
+    def close(self) -> None:
+        self.hub.close()
 
     def release(self, url: str, request_id: str) -> None:
         from ..client import build_inputs, stream_once
