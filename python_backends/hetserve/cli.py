@@ -213,7 +213,7 @@ def _unservable_engines(manifest: dict, engine_dir: str) -> list:
 def _start_openai(args, triton_url: str, engine_dir: str, host: str, life: "_Lifecycle"):
     """The OpenAI-compatible frontend next to the servers (port base+80 unless --openai-port); None on failure."""
     from .openai_api.process import FrontendProcess, FrontendSpec
-    from .server import REPO_ROOT, ServerError
+    from .server import REPO_ROOT, AdminKeyError, ServerError
 
     port = args.openai_port or args.base_port + 80
     fe = FrontendProcess(FrontendSpec(triton_url, port, engine_dir, host=host, model_name=args.served_model_name,
@@ -222,7 +222,7 @@ def _start_openai(args, triton_url: str, engine_dir: str, host: str, life: "_Lif
     try:
         fe.start().wait_ready()
         models = fe.served_models()
-    except (ServerError, OSError, ValueError, KeyError) as e:
+    except (ServerError, AdminKeyError, OSError, ValueError, KeyError) as e:
         print(f"hetserve up: openai frontend: {e}", file=sys.stderr)
         return None
     print(f"OpenAI API: {fe.spec.url}  (model: {', '.join(repr(m) for m in models)}; {fe.spec.url}/models)",
@@ -231,12 +231,12 @@ def _start_openai(args, triton_url: str, engine_dir: str, host: str, life: "_Lif
 
 
 def _start(topo) -> bool:
-    from .server import ServerError
+    from .server import AdminKeyError, ServerError
 
     try:
         topo.start()
         return True
-    except ServerError as e:  # port in use, a server that exited during start-up, ...
+    except (ServerError, AdminKeyError) as e:  # port in use, a server that exited during start-up, ...
         print(f"hetserve up: {e}", file=sys.stderr)
         return False
 
@@ -259,7 +259,7 @@ def _supervise(processes, restart=None) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .server import ServerError, ServerSpec, TritonProcess, bind_host, default_model_repository
+    from .server import AdminKeyError, ServerError, ServerSpec, TritonProcess, bind_host, default_model_repository
 
     if args.role == "openai":
         from .openai_api import FrontendConfig, serve
@@ -293,7 +293,7 @@ def cmd_serve(args) -> int:
         life.cleanups.append(p.stop)
         try:
             p.start()
-        except ServerError as e:
+        except (ServerError, AdminKeyError) as e:
             print(f"hetserve serve: {e}", file=sys.stderr)
             return 1
         state["serving"] = True  # a container's server: stopping it is the normal end (exit 0)

@@ -10,7 +10,7 @@ from typing import Iterator, List, Optional
 def admin_parameters() -> dict:
     """Request parameters that unlock the operator ops (doctor, planner --measure): the deployment admin key
     (HETSERVE_ADMIN_KEY or the local key file; checked by triton/common.is_admin)."""
-    from .server import ADMIN_PARAM, admin_key
+    from .admin_key import ADMIN_PARAM, admin_key
 
     return {ADMIN_PARAM: admin_key()}
 

@@ -16,7 +16,6 @@ import contextlib
 import itertools
 import logging
 import os
-import secrets
 import shutil
 import signal
 import site
@@ -32,6 +31,15 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set
 
 from . import config
+from .admin_key import (  # noqa: F401  (re-exported: the launcher's callers use them from here)
+    ADMIN_HEADER,
+    ADMIN_PARAM,
+    GRPC_HEADER_PREFIX,
+    AdminKeyError,
+    admin_headers,
+    admin_key,
+    admin_key_file,
+)
 
 log = logging.getLogger("hetserve.server")
 
@@ -53,8 +61,6 @@ class ServerError(RuntimeError):
 
 # ---- exposure ------------------------------------------------------------------------------------
 LOOPBACK = "127.0.0.1"
-ADMIN_HEADER = "hetserve-admin-key"  # HTTP header / gRPC metadata (prefixed) carrying HETSERVE_ADMIN_KEY
-GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 # Triton APIs that change server state or map memory: only the orchestrator and operators hold the key.
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 
@@ -65,44 +71,6 @@ def bind_host(host: Optional[str] = None) -> str:
     if h not in (LOOPBACK, "localhost", "::1"):
         log.warning("binding %s: Triton ports are reachable beyond this host (admin APIs stay key-protected)", h)
     return h
-
-
-ADMIN_PARAM = "hetserve_admin_key"  # the request parameter that carries the admin key to the operator ops
-
-
-def admin_key_file() -> Path:
-    return Path(config.get("HETSERVE_ADMIN_KEY_FILE") or REPO_ROOT / ".hetserve" / "run" / "admin-key")
-
-
-def admin_key() -> str:
-    """The deployment's admin key: HETSERVE_ADMIN_KEY; else the local key file (mode 0600, made once with a random
-    key), so `hetserve up` and the local tools (`hetserve doctor`) agree without a secret on the command line.
-    Exported to this process's environment, so the servers it starts (and their KV sender) share it."""
-    k = config.get("HETSERVE_ADMIN_KEY")
-    if k:
-        return k
-    f = admin_key_file()
-    try:
-        k = f.read_text().strip()
-    except OSError:
-        k = ""
-    if not k:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        k = secrets.token_urlsafe(24)
-        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(k + "\n")
-    elif f.stat().st_mode & 0o077:
-        raise ServerError(f"{f} is readable by other users (mode {oct(f.stat().st_mode & 0o777)}); chmod 600 it")
-    os.environ["HETSERVE_ADMIN_KEY"] = k
-    return k
-
-
-def admin_headers(protocol: str = "grpc") -> Dict[str, str]:
-    """Headers for a tritonclient call to a restricted API (shm registration, model control). Triton's gRPC
-    frontend expects the key under its `triton-grpc-protocol-` prefix, the HTTP frontend as it is."""
-    name = ADMIN_HEADER if protocol == "http" else GRPC_HEADER_PREFIX + ADMIN_HEADER
-    return {name: admin_key()}
 
 
 def port_in_use(port: int, host: str = LOOPBACK) -> bool:

@@ -45,7 +45,7 @@ def kv_key() -> bytes:
     k = config.get("HETSERVE_KV_KEY")
     if k:
         return k.encode()
-    from ..server import admin_key
+    from ..admin_key import admin_key
 
     return hmac.new(admin_key().encode(), b"hetserve kv wire tag", hashlib.sha256).digest()
 

@@ -49,7 +49,7 @@ class CudaShmSender(TransportSender):
         self._lock = threading.Lock()
 
     def _take(self, url: str, n: int) -> _Slot:
-        from ...server import admin_headers
+        from ...admin_key import admin_headers
 
         if n > self.slot_bytes:
             raise CapacityExhausted(f"KV payload {n} B > CUDA shm slot {self.slot_bytes} B "
@@ -102,7 +102,7 @@ class CudaShmSender(TransportSender):
                 log.debug("destroying CUDA shm region %s: %s", s.name, e)
 
     def close(self) -> None:
-        from ...server import admin_headers
+        from ...admin_key import admin_headers
 
         with self._lock:
             pools, self._pools = dict(self._pools), {}

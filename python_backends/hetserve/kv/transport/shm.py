@@ -20,7 +20,7 @@ SHM_PREFIX = "hetserve_kv_"  # server.SHM_PATTERNS sweeps stale regions by this 
 
 
 def _admin_headers() -> Dict[str, str]:
-    from ...server import admin_headers  # shm registration is a restricted Triton API (server.py)
+    from ...admin_key import admin_headers  # shm registration is a restricted Triton API (server.py)
 
     return admin_headers()
 

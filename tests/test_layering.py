@@ -1,0 +1,115 @@
+"""The package's layering, read from the source (every import statement, at module level or inside a function):
+no import circles, lower layers never import upper ones, and nothing below the Triton adapters imports Triton's
+Python-backend binding. A static check: it fails on the commit that adds the import, not when a server loads."""
+import ast
+import collections
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "python_backends" / "hetserve"
+
+# lowest first; a module may import its own layer and the ones before it. Everything not listed (triton/,
+# openai_api/, cli, server, cluster, doctor, planner/, ...) is the top: the adapters and tools.
+LAYERS = [
+    ("base", ["errors", "config", "faults", "retry", "bounded", "logs", "admin_key"]),
+    ("model", ["sampling", "model", "tokenizer", "schema"]),
+    ("engines and KV", ["engines", "kv"]),
+    ("serving logic", ["scheduler", "stages", "reliability", "client", "admin_channel", "diagnostics"]),
+]
+TRITON_BINDING = "triton_python_backend_utils"
+
+
+def _modules():
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = ("hetserve",) + p.relative_to(PKG).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+def _imports(mods):
+    """module -> {(imported module, line)} for every import of a hetserve module or the Triton binding."""
+    graph = collections.defaultdict(set)
+    for m, p in mods.items():
+        pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".")[:len(pkg.split(".")) - (node.level - 1)]
+                    b = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    b = node.module or ""
+                targets = [f"{b}.{a.name}" if f"{b}.{a.name}" in mods else b for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t == TRITON_BINDING or (t in mods and t != m and not m.startswith(t + ".")):
+                    graph[m].add((t, node.lineno))
+    return graph
+
+
+def _layer(m: str) -> int:
+    rel = m.split(".", 1)[1] if "." in m else ""
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(rel == p or rel.startswith(p + ".") for p in prefixes):
+            return i
+    return len(LAYERS)
+
+
+def test_no_import_circles():
+    mods = _modules()
+    graph = {m: {t for t, _ in ts if t in mods} for m, ts in _imports(mods).items()}
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(mods):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_lower_layers_never_import_upper_ones_or_triton():
+    mods = _modules()
+    bad = []
+    for m, targets in sorted(_imports(mods).items()):
+        for t, line in sorted(targets):
+            if t == TRITON_BINDING:
+                if _layer(m) < len(LAYERS):
+                    bad.append(f"{mods[m].relative_to(PKG.parent)}:{line} imports the Triton binding")
+            elif _layer(t) > _layer(m):
+                bad.append(f"{mods[m].relative_to(PKG.parent)}:{line} ({LAYERS[_layer(m)][0]}) imports {t}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_sees_what_it_should():
+    """The graph is not empty and the layers name real modules (a renamed package would pass silently)."""
+    mods = _modules()
+    graph = _imports(mods)
+    assert any(t == "hetserve.errors" for ts in graph.values() for t, _ in ts)
+    for _, prefixes in LAYERS:
+        for p in prefixes:
+            assert any(m == f"hetserve.{p}" or m.startswith(f"hetserve.{p}.") for m in mods), p
+    assert any(t == TRITON_BINDING for ts in graph.values() for t, _ in ts)  # the adapters do import it
