@@ -113,3 +113,26 @@ def test_the_check_sees_what_it_should():
         for p in prefixes:
             assert any(m == f"hetserve.{p}" or m.startswith(f"hetserve.{p}.") for m in mods), p
     assert any(t == TRITON_BINDING for ts in graph.values() for t, _ in ts)  # the adapters do import it
+
+
+def test_no_silent_broad_except():
+    """A handler of Exception / BaseException / everything logs, re-raises, or hands the error on (reply.error,
+    a callback, a result), or says on its `except` line why swallowing is right; it never just passes."""
+    silent = []
+    for p in sorted(PKG.rglob("*.py")):
+        src = p.read_text()
+        lines = src.splitlines()
+        for node in ast.walk(ast.parse(src, str(p))):
+            if not isinstance(node, ast.ExceptHandler):
+                continue
+            names = ([node.type] if not isinstance(node.type, ast.Tuple) else node.type.elts) if node.type else []
+            broad = node.type is None or any(isinstance(n, ast.Name) and n.id in ("Exception", "BaseException")
+                                             for n in names)
+            if not broad or "#" in lines[node.lineno - 1]:
+                continue
+            uses_error = node.name is not None and any(isinstance(n, ast.Name) and n.id == node.name
+                                                       for b in node.body for n in ast.walk(b))
+            acts = any(isinstance(n, (ast.Raise, ast.Call)) for b in node.body for n in ast.walk(b))
+            if not (uses_error or acts):
+                silent.append(f"{p.relative_to(PKG.parent)}:{node.lineno}")
+    assert not silent, "broad except that neither logs, re-raises, uses the error nor says why:\n" + "\n".join(silent)

@@ -1,6 +1,7 @@
 """Client helpers: stream a generation from the `llm` (or `aggregated`) model over Triton gRPC."""
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from dataclasses import dataclass, field
@@ -190,6 +191,6 @@ def stream_once(url: str, model: str, inputs, timeout_s: float, request_id: str 
     finally:
         try:
             c.stop_stream(cancel_requests=True)
-        except Exception:
-            pass
+        except Exception as e:  # the stream is already gone: nothing to stop
+            logging.getLogger("hetserve.client").debug("stop_stream: %s", e)
         c.close()

@@ -14,6 +14,7 @@ staying within [min, max] and waiting `cooldown_s` after each action.
 """
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import re
@@ -343,7 +344,7 @@ def scrape_decode(metrics_url: str, timeout_s: float = 2.0) -> Optional[dict]:
     """{util, queue, batch} of one decode server from its /metrics, or None if it does not answer."""
     try:
         text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s).read().decode()
-    except Exception:
+    except (OSError, ValueError, http.client.HTTPException):  # down, refused, garbled: "does not answer"
         return None
     out = {"util": 0.0, "queue": 0.0, "batch": 0.0}
     for line in text.splitlines():

@@ -8,6 +8,7 @@ decode ops (stages/decode.py DecodeStage.admin_ops): info | verify
 from __future__ import annotations
 
 import hashlib
+import logging
 import platform
 import re
 import time
@@ -55,7 +56,8 @@ def _cuda_devices() -> List[dict]:
             name = p.name.decode(errors="replace") if isinstance(p.name, bytes) else str(p.name)
             out.append({"index": i, "name": name.rstrip("\x00"), "sm": p.major * 10 + p.minor})
         return out
-    except Exception:
+    except Exception as e:  # no CUDA bindings / runtime / driver: no devices to report
+        logging.getLogger("hetserve.diagnostics").debug("no CUDA devices: %s", e)
         return []
 
 
@@ -74,8 +76,8 @@ def runtime_info() -> dict:
         import tensorrt  # type: ignore
 
         info["tensorrt"] = tensorrt.__version__
-    except Exception:
-        pass
+    except Exception as e:  # absent, or present without its CUDA libraries
+        logging.getLogger("hetserve.diagnostics").debug("tensorrt not importable: %s", e)
     return info
 
 

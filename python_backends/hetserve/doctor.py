@@ -19,6 +19,7 @@ required), never through the data-plane models. Nothing here imports Triton's py
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 import time
@@ -120,8 +121,8 @@ class Doctor:
         for c in self._clients.values():
             try:
                 c.close()
-            except Exception:
-                pass
+            except Exception as e:  # a channel already torn down
+                logging.getLogger("hetserve.doctor").debug("client close: %s", e)
         self._clients.clear()
 
     def _add(self, section, name, status, detail, **data) -> Check:

@@ -92,8 +92,8 @@ class CircuitBreaker:
         if self.on_state:
             try:
                 self.on_state(state)
-            except Exception:
-                pass
+            except Exception:  # a metrics hook must not break the breaker
+                log.warning("circuit breaker state callback failed", exc_info=True)
 
     def p99(self) -> Optional[float]:
         now = self.clock()

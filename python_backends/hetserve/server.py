@@ -13,6 +13,7 @@ the registry, so a stop signal at any moment finds every child already known (cl
 from __future__ import annotations
 
 import contextlib
+import http.client
 import itertools
 import logging
 import os
@@ -484,9 +485,7 @@ class TritonProcess:
                             raise ServerError(f"{self.spec.role}: port {self.spec.http_port} answers but is not "
                                               f"held by our tritonserver (pid {self.proc.pid})")
                         return
-            except ServerError:
-                raise
-            except Exception:
+            except (OSError, http.client.HTTPException):  # not listening yet, or a half-started HTTP frontend
                 pass
             time.sleep(0.5)
         raise ServerError(f"{self.spec.role} server not ready after {timeout:.0f}s (log: {self.spec.log_file})")

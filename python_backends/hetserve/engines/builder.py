@@ -52,7 +52,8 @@ def gpu_available() -> bool:
 
         err, n = cudart.cudaGetDeviceCount()
         return int(err) == 0 and n > 0
-    except Exception:
+    except Exception as e:  # no TensorRT / CUDA bindings / driver: the CPU engines only
+        logging.getLogger("hetserve.build").debug("no GPU for the builder: %s", e)
         return False
 
 

@@ -4,6 +4,7 @@ A tier stores fixed-shape blocks [2, L, KVH, block, D] at integer slots and copi
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import socket
@@ -229,8 +230,8 @@ class RedisTier(Tier):
         self.release(list(self._live))
         try:
             self.r.close()
-        except Exception:
-            pass
+        except Exception as e:  # the connection is already gone
+            logging.getLogger("hetserve.kv").debug("redis close: %s", e)
 
 
 def cuda_available() -> bool:
@@ -238,7 +239,8 @@ def cuda_available() -> bool:
         import torch
 
         return bool(torch.cuda.is_available())
-    except Exception:
+    except Exception as e:  # no torch, or torch without a working CUDA: host tiers only
+        logging.getLogger("hetserve.kv").debug("no CUDA for KV tiers: %s", e)
         return False
 
 

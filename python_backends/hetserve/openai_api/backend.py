@@ -88,7 +88,8 @@ class TritonLLM:
     async def ready(self) -> bool:
         try:
             return bool(await self.client().is_model_ready(self.model))
-        except Exception:
+        except Exception as e:  # not reachable yet: not ready (the readiness probe asks again)
+            log.debug("%s not ready at %s: %s", self.model, self.url, e)
             return False
 
     async def generate(self, req: GenRequest) -> AsyncIterator[Delta]:

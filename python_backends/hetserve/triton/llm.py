@@ -60,7 +60,7 @@ def _wants_stream(r) -> bool:
     """The request's `stream` input (default false); false when it cannot be read (the error is sent once)."""
     try:
         return bool(schema.scalar(tensors_of(r, "llm"), "stream", schema.INPUTS["stream"].default))
-    except Exception:
+    except (ValueError, TypeError, errors.HetserveError):  # a malformed `stream` input: answer once
         return False
 
 
