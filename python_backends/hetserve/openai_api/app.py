@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import re
@@ -25,8 +24,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import AsyncIterator, List, Optional
 
+import orjson
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' string annotations here
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import ORJSONResponse as JSONResponse  # orjson: the responses' JSON, ~5x stdlib
+from fastapi.responses import StreamingResponse
 
 from .. import config
 from .backend import Delta, TritonLLM
@@ -96,7 +97,7 @@ class Model:
 
 
 def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 class Frontend:
@@ -274,7 +275,7 @@ def create_app(cfg: FrontendConfig) -> FastAPI:
             if len(buf) > cfg.max_body_bytes:
                 raise ApiError(413, f"request body over {cfg.max_body_bytes} bytes", code="body_too_large")
         try:
-            return json.loads(bytes(buf))
+            return orjson.loads(bytes(buf))
         except (ValueError, UnicodeDecodeError) as e:
             raise bad_request(f"request body is not valid JSON: {e}") from None
 

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .. import config, diagnostics
+from .. import config, diagnostics, schema
 from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..kv.prefix import PrefixCache
@@ -39,15 +39,13 @@ from .common import (
     RequestError,
     check_prompt,
     engine_dir,
-    inp,
     internal_token_ok,
     is_admin,
     log_if_ours,
-    sampling_params,
-    scalar,
     send_error,
     start_admin_channel,
     str_tensor,
+    tensors_of,
     tokenizer,
 )
 from .metrics import REGISTRY, BusyMeter, Poller, declare_transfer_failures, gauges, transfer_failure_reason
@@ -143,20 +141,22 @@ class TritonPythonModel:
 
     def _queue(self, r, sender) -> None:
         """Read a prefill request's tensors and hand it to the stage (answered later through the reply)."""
-        ids_a = inp(r, "input_ids")
+        t = tensors_of(r, "prefill")  # one pass over the request's inputs
+        ids_a = t.get("input_ids")
         if ids_a is None or ids_a.size == 0:
             raise RequestError("empty prompt: 'input_ids' has no tokens")
-        params = sampling_params(r)
-        ids = check_prompt([int(x) for x in ids_a.reshape(-1)], self.cfg, params.max_tokens)
-        url = scalar(r, "decode_url", None, str)
+        params = schema.sampling_params(t)
+        ids = check_prompt(ids_a.reshape(-1).tolist(), self.cfg, params.max_tokens)
+        url = schema.scalar(t, "decode_url", None, str)
         # the orchestrator proves its pick with the hop token; operators' tools (planner --measure) hold the key
-        if url and not (internal_token_ok(scalar(r, "internal_token", "", str), PREFILL_HOP) or is_admin(r)):
+        if url and not (internal_token_ok(schema.scalar(t, "internal_token", "", str), PREFILL_HOP)
+                        or is_admin(r)):
             raise RequestError("'decode_url' is chosen by the orchestrator from its decode pool; a client cannot "
                                "set it (use the llm model, or send the admin key as hetserve doctor and "
                                "hetserve plan --measure do)")
-        call = PrefillCall(ids, params, scalar(r, "request_id", None, str) or f"req-{time.time_ns()}",
-                           scalar(r, "transport", None, str), scalar(r, "kv_dtype", None, str), url,
-                           bool(scalar(r, "skip_transfer", False)), bool(scalar(r, "prefix_cache", True)))
+        call = PrefillCall(ids, params, schema.scalar(t, "request_id", None, str) or f"req-{time.time_ns()}",
+                           schema.scalar(t, "transport", None, str), schema.scalar(t, "kv_dtype", None, str), url,
+                           bool(schema.scalar(t, "skip_transfer", False)), bool(schema.scalar(t, "prefix_cache", True)))
         self.stage.submit(call, _Reply(sender, call.request_id))
 
     def execute(self, requests):
