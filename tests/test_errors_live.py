@@ -48,7 +48,8 @@ def test_grpc_stream_gets_the_typed_error_after_its_first_tokens(faulty):
 
     got = []
     with pytest.raises(GenerationError) as ei:
-        for chunk in stream(faulty.prefill_grpc, PROMPT, max_tokens=32, ignore_eos=True, request_id="errtest-grpc"):
+        for chunk in stream(faulty.prefill_grpc, PROMPT, max_tokens=32, ignore_eos=True,
+                            triton_request_id="errtest-grpc"):
             got += chunk.token_ids
     e = ei.value
     assert got, "the failure must come mid-stream, after tokens were sent"

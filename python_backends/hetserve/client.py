@@ -111,7 +111,10 @@ def build_inputs(prompt: Optional[str], **params):
 
 
 def stream(url: str, prompt: Optional[str], model: str = "llm", timeout_s: float = 120.0,
-           request_id: str = "", **params) -> Iterator[Chunk]:
+           triton_request_id: str = "", **params) -> Iterator[Chunk]:
+    """Stream a generation. `triton_request_id` is the Triton request's id (the llm prefixes its internal id with
+    it, so it finds the request in every server's log); `params` are model inputs (request_id among them is the
+    decode model's input, not this)."""
     import tritonclient.grpc as grpcclient
 
     if model in STREAM_INPUT_MODELS:
@@ -120,7 +123,7 @@ def stream(url: str, prompt: Optional[str], model: str = "llm", timeout_s: float
     q: "queue.Queue" = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     try:
-        client.async_stream_infer(model, build_inputs(prompt, **params), request_id=request_id,
+        client.async_stream_infer(model, build_inputs(prompt, **params), request_id=triton_request_id,
                                   enable_empty_final_response=True)
         while True:
             try:
