@@ -562,20 +562,10 @@ def clean_shm(before: set) -> List[str]:
     new = shm_names() - before
     if not new:
         return []
-    used = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            for line in open(f"/proc/{d}/maps"):
-                if "/dev/shm/" in line:
-                    used.add(line.rsplit("/dev/shm/", 1)[1].split()[0])
-            for fd in os.listdir(f"/proc/{d}/fd"):
-                link = os.readlink(f"/proc/{d}/fd/{fd}")
-                if link.startswith("/dev/shm/"):
-                    used.add(link[9:].split()[0])
-        except OSError:
-            continue
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_backends"))
+    from hetserve.server import shm_mapped_by  # this checkout's /proc reader (whatever --rev is served)
+
+    used = shm_mapped_by(int(d) for d in os.listdir("/proc") if d.isdigit())
     notes = []
     for n in sorted(new - used):
         try:

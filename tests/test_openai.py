@@ -20,14 +20,14 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default GGUF's file name: the name i
 Q = "What is the capital of France?"
 
 
-def _frontend(topology, engine_dir, port, env=None):
+def _frontend(topology, engine_dir, port, env=None, model_name=None):
     from hetserve.openai_api.process import FrontendProcess, FrontendSpec
     from hetserve.server import REPO_ROOT
 
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
-        fe = FrontendProcess(FrontendSpec(topology.prefill_grpc, port, engine_dir,
+        fe = FrontendProcess(FrontendSpec(topology.prefill_grpc, port, str(engine_dir), model_name=model_name,
                                           log_file=str(REPO_ROOT / ".hetserve" / "logs" / f"openai-{port}.log")))
         fe.start().wait_ready(120)
     finally:

@@ -12,7 +12,6 @@ checkpoint records (manifest config + source, from the real loader) and the defa
 reads nothing else, and its requests run on the session's servers.
 """
 import json
-import os
 import shutil
 import sys
 import urllib.error
@@ -20,6 +19,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from test_openai import _frontend  # the one way tests start a frontend process
 
 openai = pytest.importorskip("openai")  # installed by scripts/install.sh (.[test]); a skip is a CI failure
 
@@ -31,25 +32,6 @@ def _gguf_general_name(path: str):
 
     f = gguf.GGUFReader(path).fields.get("general.name")
     return None if f is None else bytes(f.parts[f.data[0]]).decode()
-
-
-def _frontend(topology, engine_dir, port, model_name=None, env=None):
-    from hetserve.openai_api.process import FrontendProcess, FrontendSpec
-    from hetserve.server import REPO_ROOT
-
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        fe = FrontendProcess(FrontendSpec(topology.prefill_grpc, port, str(engine_dir), model_name=model_name,
-                                          log_file=str(REPO_ROOT / ".hetserve" / "logs" / f"openai-{port}.log")))
-        fe.start().wait_ready(120)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return fe
 
 
 def _client(fe):
