@@ -47,6 +47,13 @@ def test_config_inputs_match_the_schema(model):
         assert optional == (name not in required), f"{model}.{name}: optional flag differs"
 
 
+@pytest.mark.parametrize("model", [m for m in _models() if m != "ensemble"])
+def test_config_input_blocks_are_generated_from_the_schema(model):
+    """One place defines each input: `python -m hetserve.schema model_repository` writes these blocks."""
+    text = (REPO / model / "config.pbtxt").read_text()
+    assert schema.config_input_block(model) in text, f"{model}: run python -m hetserve.schema model_repository"
+
+
 def test_schema_reads_and_writes_each_input_with_its_dtype():
     for spec in schema.INPUTS.values():
         value = {"STRING": "x", "BOOL": True}.get(spec.dtype, 1)

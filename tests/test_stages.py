@@ -103,6 +103,9 @@ class FakePool:
     def release(self, url):
         self.leases[url] -= 1
 
+    def hold(self, url):
+        self.leases[url] += 1
+
     def transport_for(self, url, requested):
         return requested or "grpc"  # FAKE: every member negotiated every transport
 
@@ -116,7 +119,7 @@ class FakeSink:
     def __init__(self, cancel_after=None):
         self.ids, self.finish_reason, self.cancel_after = [], None, cancel_after
 
-    def push(self, ids, reason=None):
+    def push(self, ids, reason=None, logprobs=None):
         self.ids += ids
         if reason:
             self.finish_reason = reason
@@ -127,6 +130,10 @@ class FakeSink:
 
     def cancelled(self):
         return self.cancel_after is not None and len(self.ids) >= self.cancel_after
+
+    def choice(self, i):
+        self.choices = getattr(self, "choices", {})
+        return self.choices.setdefault(i, FakeSink())
 
 
 def _orch(prefill, decode, pool, **cfg):
@@ -149,6 +156,34 @@ def test_orchestrator_streams_prefill_then_decode_and_settles_the_lease():
     started = dec.opened[0][1].started
     assert started.output_ids == [10] and started.kv_sent is True and started.prompt == [1, 5, 6]
     assert pool.leases == {"a": 0} and dec.opened[0][1].closed is False
+
+
+def test_n_choices_share_one_prefill_and_fork_its_kv_on_one_member():
+    """n = 3: one prefill job asks for 3 first tokens; the choices that go on decode on the member holding the
+    KV, each naming the KV key and how many fork it; a choice that stopped at its first token decodes nothing."""
+    pool = FakePool(["a", "b"])
+    dec = FakeDecodeClient({"a": [([TokenChunk([30], "length")], None), ([TokenChunk([30], "length")], None)]})
+
+    class Prefill3(FakePrefill):
+        def prefill(self, job):
+            self.jobs.append(job)
+            return PrefillResult(10, True, "grpc", first_tokens=[10, EOS, 20])
+
+    pre = Prefill3()
+    orch, _, _ = _orch(pre, dec, pool)
+    sink = FakeSink()
+    req = _req(2)
+    req.n = 3
+    orch.run(req, sink)
+    assert len(pre.jobs) == 1 and pre.jobs[0].n == 3
+    assert sink.choices[0].ids == [10, 30] and sink.choices[1].ids == [EOS] and sink.choices[2].ids == [20, 30]
+    assert sink.choices[1].finish_reason == "stop"
+    started = sorted((s.started for _, s in dec.opened), key=lambda r: r.request_id)
+    assert [u for u, _ in dec.opened] == ["a", "a"]
+    assert {r.kv_key for r in started} == {started[0].request_id.rsplit(".", 1)[0]}
+    assert [r.kv_shares for r in started] == [2, 2] and [r.output_ids for r in started] == [[10], [20]]
+    assert [r.params.choice for r in started] == [0, 2]
+    assert pool.leases == {"a": 0, "b": 0}
 
 
 def test_migration_resumes_on_another_member_with_the_tokens_so_far():
@@ -333,7 +368,7 @@ class FakeReply:
     def __init__(self):
         self.sent, self.done = [], threading.Event()
 
-    def tokens(self, ids, finish_reason=None, final=False):
+    def tokens(self, ids, finish_reason=None, final=False, logprobs=None):
         self.sent.append(("tokens", list(ids), finish_reason))
         if final:
             self.done.set()

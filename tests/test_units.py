@@ -71,9 +71,45 @@ def test_sampling_greedy_and_seeded():
                                                           for i in range(20)]
 
 
+def test_sampler_penalties_bias_min_p_and_logprobs():
+    """The logit processors against hand-computed expectations (vLLM / OpenAI semantics)."""
+    from hetserve.sampling import TokenSampler, log_softmax
+
+    logits = np.array([3.0, 2.9, 1.0, -1.0, 0.5], np.float32)
+    # logit_bias: a large bias makes token 3 the greedy choice; -100 bans token 0
+    tok, _ = TokenSampler(SamplingParams(logit_bias={3: 10.0})).next(logits, 0)
+    assert tok == 3
+    assert TokenSampler(SamplingParams(logit_bias={0: -100.0})).next(logits, 0)[0] == 1
+    # presence / frequency: counts of the output only; token 0 seen twice loses 0.5 + 2 * 0.1 = 0.7 -> token 1 wins
+    s = TokenSampler(SamplingParams(presence_penalty=0.5, frequency_penalty=0.1), prompt=[0, 0, 0], output=[0, 0])
+    x = s.process(logits)
+    assert np.isclose(x[0], 3.0 - 0.7) and np.isclose(x[1], 2.9) and s.next(logits, 2)[0] == 1
+    # repetition penalty: prompt + output ids, positive logits divided, negative multiplied
+    x = TokenSampler(SamplingParams(repetition_penalty=2.0), prompt=[0, 3], output=[4]).process(logits)
+    assert np.allclose(x, [1.5, 2.9, 1.0, -2.0, 0.25])
+    # min_p: with temperature 1 only tokens with p >= 0.5 * p_max survive (tokens 0 and 1 here)
+    p = SamplingParams(temperature=1.0, min_p=0.5, seed=3)
+    assert {TokenSampler(p).next(logits, i)[0] for i in range(200)} == {0, 1}
+    # logprobs: the raw log-softmax, top-N sorted, whatever the processors did
+    tok, lp = TokenSampler(SamplingParams(top_logprobs=3, logit_bias={4: 50.0})).next(logits, 0)
+    ref = log_softmax(logits)
+    assert tok == 4 and np.isclose(lp.logprob[0], ref[4]) and lp.top_ids[0] == [0, 1, 2]
+    assert np.allclose(lp.top_values[0], ref[[0, 1, 2]])
+
+
+def test_choices_draw_their_own_streams_and_choice_0_matches_n_1():
+    logits = np.random.default_rng(2).standard_normal(500).astype(np.float32)
+    p = SamplingParams(temperature=1.0, seed=7)
+    one = [sample(logits, p, i) for i in range(30)]
+    assert [sample(logits, p.for_choice(0), i) for i in range(30)] == one
+    assert [sample(logits, p.for_choice(1), i) for i in range(30)] != one
+
+
 @pytest.mark.parametrize("kw", [dict(max_tokens=0), dict(max_tokens=10**9), dict(temperature=-1.0),
                                 dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(seed=-2),
-                                dict(temperature=float("nan"))])
+                                dict(temperature=float("nan")), dict(min_p=1.5), dict(presence_penalty=3.0),
+                                dict(frequency_penalty=-2.5), dict(repetition_penalty=0.0), dict(top_logprobs=21),
+                                dict(logit_bias={5: 200.0}), dict(logit_bias={-1: 1.0})])
 def test_sampling_validation(kw):
     with pytest.raises(SamplingError):
         SamplingParams(**kw).validate(4096)

@@ -447,6 +447,13 @@ class DecodePool:
             m.inflight += 1
             return m.url
 
+    def hold(self, url: str) -> None:
+        """One more lease on `url` (a choice of an n > 1 request decodes where its KV went)."""
+        with self._lock:
+            m = self.members.get(url)
+            if m is not None:
+                m.inflight += 1
+
     def release(self, url: str):
         with self._lock:
             m = self.members.get(url)

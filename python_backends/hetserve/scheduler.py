@@ -22,14 +22,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import faults
-from .errors import EngineFailed, HetserveError, Overloaded
+from .errors import EngineFailed, HetserveError, Overloaded, RequestError
 from .kv.blocks import BlockPool, KVLost, PoolFull
-from .sampling import SamplingParams, is_stop_token, sample
+from .sampling import MatcherFactory, SamplingParams, TokenSampler, is_stop_token
 
 log = logging.getLogger("hetserve.scheduler")
 __all__ = ["DecodeScheduler", "Overloaded", "Sequence"]  # Overloaded: hetserve.errors, re-exported
@@ -42,7 +42,8 @@ class Sequence:
     tokens: List[int]  # generated so far (first token from prefill included)
     params: SamplingParams
     precision: str
-    on_tokens: Callable[[List[int], Optional[str]], None]  # (new tokens, finish_reason or None)
+    # (new tokens, finish_reason or None[, TokenLogprobs]): the logprobs come only when params ask for them
+    on_tokens: Callable[..., None]
     is_cancelled: Callable[[], bool] = lambda: False
     # the sequence failed (engine step, KV lost, budget): called once instead of a final on_tokens; unset, the
     # failure ends the stream with finish_reason "error"
@@ -56,6 +57,9 @@ class Sequence:
     prompt_ids: Optional[List[int]] = None  # lets the scheduler recompute KV that could not be kept
     kv_id: int = -1  # key of this sequence in the KV block pool (set by submit)
     preempted: int = 0  # times preempted
+    # a choice of an n > 1 request: (key, shares) of the KV all n fork, copy on write (KV blocks added once)
+    kv_group: Optional[Tuple[str, int]] = None
+    sampler: Optional[TokenSampler] = None  # built by submit: penalties, grammar, logprobs
 
     @property
     def kv_len(self) -> int:  # tokens whose KV is cached: prompt + generated except the last one
@@ -68,10 +72,12 @@ class Sequence:
 class DecodeScheduler:
     def __init__(self, engines: Dict[str, "object"], eos_ids=(), max_batch: int = 16,
                  kv_budget_bytes: int = 2 << 30, max_queue: int = 64, idle_wait_s: float = 0.05,
-                 pool: Optional[BlockPool] = None, block_tokens: int = 16, idle_demote_s: float = 0.0):
+                 pool: Optional[BlockPool] = None, block_tokens: int = 16, idle_demote_s: float = 0.0,
+                 matcher_factory: Optional[MatcherFactory] = None):
         """pool: the KV block pool (the scheduler owns and closes it); default: a device tier of
         kv_budget_bytes plus a host tier of the same size. idle_demote_s > 0 demotes waiting sequences'
-        KV one tier after that many idle seconds."""
+        KV one tier after that many idle seconds. matcher_factory: grammar matchers for structured output
+        (hetserve.structured); without it a guided request is refused."""
         self.engines = engines
         e0 = next(iter(engines.values()))
         c = e0.config
@@ -84,6 +90,9 @@ class DecodeScheduler:
             block_tokens=block_tokens)
         self.kv_budget = self.kv_pool.capacity("device") * self.kv_pool.block_bytes
         self._kv_ids = itertools.count()
+        self.matcher_factory = matcher_factory
+        self._shared: Dict[str, list] = {}  # kv_group key -> [base kv_id, forks still to come, created]
+        self._shared_lock = threading.Lock()
         self._idle_demote_s = idle_demote_s
         self._last_idle_check = self._last_sweep = time.monotonic()
         self.batches = {p: e.new_batch(max_batch) for p, e in engines.items()}  # the running KV
@@ -113,15 +122,52 @@ class DecodeScheduler:
         with self.cv:
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"decode queue full ({self.max_queue} waiting)", where="decode queue")
+        if seq.sampler is None:
+            seq.sampler = self.new_sampler(seq.params, seq.prompt_ids or (), seq.tokens)
         seq.kv_id = next(self._kv_ids)
         try:
-            pool.add(seq.kv_id, seq.k, seq.v)
+            if seq.kv_group is not None:
+                self._add_forked(seq)
+            else:
+                pool.add(seq.kv_id, seq.k, seq.v)
         except PoolFull as e:
             raise Overloaded(str(e), where="decode KV pool") from e
         seq.k = seq.v = None
         with self.cv:
             self.waiting.append(seq)
             self.cv.notify()
+
+    def new_sampler(self, params: SamplingParams, prompt, tokens) -> TokenSampler:
+        """The sequence's sampler, caught up with the tokens it has (a grammar matcher advanced through them)."""
+        matcher = None
+        if params.guide_type:
+            if self.matcher_factory is None:
+                raise RequestError("structured output (guided decoding) is not available on this decode server")
+            matcher = self.matcher_factory(params, tokens)
+        return TokenSampler(params, prompt, tokens, matcher)
+
+    def _add_forked(self, seq: Sequence) -> None:
+        """A choice of n: the first to arrive adds the shared KV to the pool once, each forks it (full blocks
+        shared by refcount, copied on write); the base goes when the last fork is made, or after
+        FORK_TTL_S when choices never came (cancelled before their decode request)."""
+        assert seq.kv_group is not None
+        key, shares = seq.kv_group
+        pool = self.kv_pool
+        with self._shared_lock:
+            now = time.monotonic()
+            for old in [x for x, e in self._shared.items() if now - e[2] > self.FORK_TTL_S]:
+                pool.free(self._shared.pop(old)[0])
+            ent = self._shared.get(key)
+            if ent is None:
+                base = next(self._kv_ids)
+                pool.add(base, seq.k, seq.v)
+                ent = self._shared[key] = [base, shares, now]
+            pool.fork(ent[0], seq.kv_id)
+            ent[1] -= 1
+            if ent[1] <= 0:
+                pool.free(self._shared.pop(key)[0])
+
+    FORK_TTL_S = 120.0
 
     def n_running(self) -> int:
         return sum(len(r) for r in self.running.values())
@@ -271,6 +317,7 @@ class DecodeScheduler:
             logits = self.batches[prec].step(np.fromiter((s.tokens[-1] for s in seqs), np.int64, n))
             self.stats["engine_seconds"] += time.monotonic() - te
             done = []
+            failed: list = []
             for b, s in enumerate(seqs):
                 # asked right before sending, not before the step: Triton 2.51 can crash on a response sent after
                 # its stream was cancelled (docs/reliability.md), so the window is this line, not a whole step
@@ -278,7 +325,13 @@ class DecodeScheduler:
                     self.stats["cancelled"] += 1
                     done.append((s, "cancelled", True))
                     continue
-                tok = sample(logits[b], s.params, len(s.tokens))
+                assert s.sampler is not None  # submit built it
+                try:
+                    tok, lp = s.sampler.next(logits[b], len(s.tokens))
+                except Exception as exc:  # this sequence's sampler or grammar: it fails alone, the batch goes on
+                    log.error("sampling failed for request %s: %s", s.request_id, exc, exc_info=exc)
+                    failed.append((s, exc))
+                    continue
                 s.tokens.append(tok)
                 reason = None
                 if is_stop_token(tok, s.params, self.eos_ids):
@@ -288,13 +341,20 @@ class DecodeScheduler:
                 elif s.kv_len + 1 >= self.cfg.max_position:
                     reason = "length"
                 try:
-                    s.on_tokens([tok], reason)
+                    if lp is None:
+                        s.on_tokens([tok], reason)
+                    else:
+                        s.on_tokens([tok], reason, lp)
                 except Exception:  # client went away
                     reason = reason or "cancelled"
                 if reason:
                     done.append((s, reason, False))
             for s, reason, emit in done:
                 self._retire(prec, s, reason, emit=emit)
+            for s, why in failed:
+                self._remove_row(prec, s)
+                self._fail(s, why if isinstance(why, HetserveError) else
+                           EngineFailed(f"sampling failed: {type(why).__name__}: {why}", where="decode sampling"))
             total += n
         dt = time.monotonic() - t0
         self.stats["steps"] += 1

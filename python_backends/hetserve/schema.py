@@ -15,7 +15,14 @@ import numpy as np
 
 from . import config
 from .errors import RequestError
-from .sampling import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from .sampling import (
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
 
 # read once: the bound is part of the schema a server process serves (its env is fixed at start)
 MAX_TOKENS_LIMIT = config.get("HETSERVE_MAX_TOKENS_LIMIT")
@@ -60,6 +67,23 @@ _INPUTS = [
     Input("ignore_eos", "BOOL", SCALAR, _SP.ignore_eos),
     Input("stop_token_ids", "INT32", LIST, (), (0, MAX_STOP_TOKEN_IDS)),
     Input("stop", "STRING", LIST, (), (0, MAX_STOP_STRINGS)),
+    Input("min_p", "FP32", SCALAR, _SP.min_p, (0.0, 1.0)),
+    Input("presence_penalty", "FP32", SCALAR, _SP.presence_penalty, (-2.0, 2.0)),
+    Input("frequency_penalty", "FP32", SCALAR, _SP.frequency_penalty, (-2.0, 2.0)),
+    Input("repetition_penalty", "FP32", SCALAR, _SP.repetition_penalty, (0.0, 10.0)),
+    Input("logit_bias_ids", "INT32", LIST, (), (0, MAX_LOGIT_BIAS), doc="token ids whose logits get a bias"),
+    Input("logit_bias_values", "FP32", LIST, (), (0, MAX_LOGIT_BIAS), doc="the biases, aligned with the ids"),
+    Input("return_log_probs", "BOOL", SCALAR, _SP.return_log_probs,
+          doc="outputs output_log_probs (each token's logprob) and cum_log_probs"),
+    Input("top_logprobs", "INT32", SCALAR, _SP.top_logprobs, (0, MAX_TOP_LOGPROBS),
+          doc="outputs top_logprob_ids / top_logprob_values: the N most likely tokens at each step"),
+    Input("guided_decoding_guide_type", "STRING", SCALAR,
+          doc="structured output: json, json_schema, regex, ebnf_grammar or choice (hetserve.structured)"),
+    Input("guided_decoding_guide", "STRING", SCALAR, doc="the schema / regex / grammar / JSON list of choices"),
+    Input("sequence_index", "INT32", SCALAR, _SP.choice, (0, MAX_CHOICES - 1),
+          doc="which choice of an n > 1 request this sequence is (keys its random stream)"),
+    Input("num_return_sequences", "INT32", SCALAR, 1, (1, MAX_CHOICES),
+          doc="n choices from one prefill: the KV is sent once and forked on the decode server"),
     # routing (llm, prefill)
     Input("transport", "STRING", SCALAR, doc="KV transport (server default HETSERVE_KV_TRANSPORT)"),
     Input("kv_dtype", "STRING", SCALAR, doc="KV wire dtype (server default HETSERVE_KV_DTYPE)"),
@@ -73,33 +97,43 @@ _INPUTS = [
     Input("prefix_cache", "BOOL", SCALAR, True),
     Input("kv_header", "STRING", SCALAR, doc="KV wire header (JSON)"),
     Input("kv_payload", "UINT8", LIST, doc="KV wire payload"),
-    Input("ingest_token", "STRING", SCALAR, doc="HMAC proving kv_ingest verified the KV"),
+    Input("ingest_token", "STRING", SCALAR,
+          doc="op=ingest from kv_ingest proves it verified the KV (HMAC of the admin key); without it decode verifies"),
     Input("kv_remote", "STRING", SCALAR,
           doc="descriptor of KV the receiver pulls (nixl: agent metadata + registered range), instead of kv_payload"),
     Input("output_ids", "INT32", LIST, doc="tokens generated so far (decode: >= 1)"),
     Input("token_ids", "INT32", LIST, doc="the newest token ids (postprocess, fed from llm's output)"),
     Input("precision", "STRING", SCALAR, doc="decode engine precision (decode)"),
     Input("kv_sent", "BOOL", SCALAR, True,
-          doc="false: prefill could not send the KV, so decode recomputes at once instead of waiting for it"),
+          doc="false: prefill could not send the KV (transfer_ok=false), so decode recomputes at once instead of "
+              "waiting for it"),
+    Input("kv_key", "STRING", SCALAR,
+          doc="decode: the request id the KV was sent under, when it is not this request's (a choice of n)"),
+    Input("kv_shares", "INT32", SCALAR, 1, (1, MAX_CHOICES),
+          doc="decode: how many choices fork the KV sent under kv_key (copy on write in the block pool)"),
 ]
 INPUTS: Dict[str, Input] = {i.name: i for i in _INPUTS}
 assert len(INPUTS) == len(_INPUTS), "an input is defined twice"
 
-SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_token_ids", "stop")
+SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_token_ids", "stop", "min_p",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias_ids", "logit_bias_values",
+            "return_log_probs", "top_logprobs", "guided_decoding_guide_type", "guided_decoding_guide")
+# the per-choice inputs of the internal hops (a client asks for n with num_return_sequences)
+CHOICE = ("sequence_index",)
 PROMPT = ("text_input", "input_ids", "apply_chat_template")
 
 # model -> (its inputs, the required ones); every other input of a model is optional
 MODELS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
-    "llm": (PROMPT + SAMPLING + ("transport", "kv_dtype", "decode_precision", "stream"), ()),
+    "llm": (PROMPT + SAMPLING + ("num_return_sequences", "transport", "kv_dtype", "decode_precision", "stream"), ()),
     "aggregated": (PROMPT + SAMPLING, ()),
     "ensemble": (("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed"),
                  ("text_input",)),
     "preprocess": (("text_input", "apply_chat_template"), ("text_input",)),
     "postprocess": (("output_ids", "token_ids"), ("output_ids",)),
     "prefill": (("input_ids", "request_id", "decode_url", "internal_token", "transport",
-                 "kv_dtype", "skip_transfer", "prefix_cache") + SAMPLING, ()),
+                 "kv_dtype", "skip_transfer", "prefix_cache", "num_return_sequences") + SAMPLING, ()),
     "decode": (("op", "request_id", "kv_header", "kv_payload", "ingest_token", "input_ids",
-                "output_ids", "precision", "kv_sent") + SAMPLING, ()),
+                "output_ids", "precision", "kv_sent", "kv_key", "kv_shares") + SAMPLING + CHOICE, ()),
     "kv_ingest": (("op", "request_id", "kv_header", "kv_payload", "kv_remote"), ()),
 }
 
@@ -159,9 +193,20 @@ def int_list(t: Tensors, name: str) -> List[int]:
     return [] if a is None else [int(x) for x in a.reshape(-1)]
 
 
+def float_list(t: Tensors, name: str) -> List[float]:
+    a = t.get(name)
+    return [] if a is None else [float(x) for x in a.reshape(-1)]
+
+
 def sampling_params(t: Tensors, default_max_tokens: Optional[int] = None) -> SamplingParams:
     """The sampling inputs -> validated SamplingParams (defaults from the schema)."""
-    d = {n: INPUTS[n].default for n in SAMPLING}
+    d = {n: INPUTS[n].default for n in SAMPLING + CHOICE}
+    bias_ids, bias_vals = int_list(t, "logit_bias_ids"), float_list(t, "logit_bias_values")
+    bias_ids = [] if bias_ids == [-1] and not bias_vals else bias_ids  # the "none" placeholder (sampling_arrays)
+    if len(bias_ids) != len(bias_vals):
+        raise RequestError(f"logit_bias_ids ({len(bias_ids)}) and logit_bias_values ({len(bias_vals)}) must have "
+                           "the same length")
+    guide_type = scalar(t, "guided_decoding_guide_type", "", str) or ""
     p = SamplingParams(
         max_tokens=scalar(t, "max_tokens", d["max_tokens"] if default_max_tokens is None else default_max_tokens,
                           int),
@@ -172,6 +217,16 @@ def sampling_params(t: Tensors, default_max_tokens: Optional[int] = None) -> Sam
         ignore_eos=bool(scalar(t, "ignore_eos", d["ignore_eos"])),
         stop_token_ids=int_list(t, "stop_token_ids"),
         stop=string_list(t, "stop"),
+        min_p=scalar(t, "min_p", d["min_p"], float),
+        presence_penalty=scalar(t, "presence_penalty", d["presence_penalty"], float),
+        frequency_penalty=scalar(t, "frequency_penalty", d["frequency_penalty"], float),
+        repetition_penalty=scalar(t, "repetition_penalty", d["repetition_penalty"], float),
+        logit_bias=dict(zip(bias_ids, bias_vals)),
+        return_log_probs=bool(scalar(t, "return_log_probs", d["return_log_probs"])),
+        top_logprobs=scalar(t, "top_logprobs", d["top_logprobs"], int),
+        choice=scalar(t, "sequence_index", d["sequence_index"], int),
+        guide_type=guide_type,
+        guide=(scalar(t, "guided_decoding_guide", "", str) or "") if guide_type else "",
     )
     try:
         return p.validate(MAX_TOKENS_LIMIT)
@@ -179,12 +234,27 @@ def sampling_params(t: Tensors, default_max_tokens: Optional[int] = None) -> Sam
         raise RequestError(str(e)) from None
 
 
-def sampling_arrays(p: SamplingParams) -> List[Tuple[str, np.ndarray]]:
-    """SamplingParams -> (name, array) to forward to prefill/decode. Stop strings stay with the orchestrator (it
-    detokenises); an empty stop_token_ids list travels as [-1] (Triton refuses zero-length inputs), which
-    readers drop (token ids are >= 0)."""
-    out = [(n, array(n, getattr(p, n))) for n in SAMPLING if n not in ("stop", "stop_token_ids")]
-    return out + [("stop_token_ids", array("stop_token_ids", p.stop_token_ids or [-1]))]
+def sampling_arrays(p: SamplingParams, choice: bool = False) -> List[Tuple[str, np.ndarray]]:
+    """SamplingParams -> (name, array) to forward to prefill/decode; inputs at their defaults are left out (the
+    receiver reads the same defaults), with `choice` the sequence index too. Stop strings stay with the
+    orchestrator (it detokenises); an empty stop_token_ids list travels as [-1] (Triton refuses zero-length
+    inputs), which readers drop (token ids are >= 0)."""
+    out = [(n, array(n, getattr(p, n))) for n in ("max_tokens", "temperature", "top_k", "top_p", "seed",
+                                                   "ignore_eos")]
+    out.append(("stop_token_ids", array("stop_token_ids", p.stop_token_ids or [-1])))
+    for n in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "return_log_probs",
+              "top_logprobs"):
+        if getattr(p, n) != INPUTS[n].default:
+            out.append((n, array(n, getattr(p, n))))
+    if p.logit_bias:
+        out += [("logit_bias_ids", array("logit_bias_ids", list(p.logit_bias))),
+                ("logit_bias_values", array("logit_bias_values", list(p.logit_bias.values())))]
+    if p.guide_type:
+        out += [("guided_decoding_guide_type", array("guided_decoding_guide_type", p.guide_type)),
+                ("guided_decoding_guide", array("guided_decoding_guide", p.guide))]
+    if choice and p.choice:
+        out.append(("sequence_index", array("sequence_index", p.choice)))
+    return out
 
 
 def check_prompt(ids: List[int], cfg, max_tokens: int = 0) -> List[int]:
@@ -203,3 +273,48 @@ def check_kv_tokens(hdr, max_position: int) -> None:
     """A KV header may not claim more tokens than the model's context (a bogus count would size buffers)."""
     if not 0 < hdr.num_tokens <= max_position:
         raise RequestError(f"KV header claims {hdr.num_tokens} tokens; the model context is {max_position}")
+
+
+# ---- model_repository/*/config.pbtxt input blocks, generated from this schema -------------------------------
+def config_input_block(model: str) -> str:
+    """The `input [...]` block of `model`'s config.pbtxt as this schema defines it."""
+    names, required = MODELS[model]
+    items = []
+    for n in names:
+        spec = INPUTS[n]
+        lines = [f"    # {spec.doc}"] if spec.doc else []
+        lines += [f'    name: "{n}"', f"    data_type: TYPE_{spec.dtype}",
+                 f"    dims: [ {', '.join(str(d) for d in spec.dims)} ]"]
+        if n not in required:
+            lines.append("    optional: true")
+        items.append("  {\n" + "\n".join(lines) + "\n  }")
+    return "input [\n" + ",\n".join(items) + "\n]"
+
+
+def write_config_inputs(repo: str, models=None) -> List[str]:
+    """Rewrite the input blocks of model_repository's config.pbtxt files (non-ensemble models) from the schema;
+    returns the models changed. `python -m hetserve.schema model_repository` after adding an input here."""
+    import re
+    from pathlib import Path
+
+    changed = []
+    for model in models or MODELS:
+        path = Path(repo) / model / "config.pbtxt"
+        text = path.read_text()
+        if 'platform: "ensemble"' in text:
+            continue
+        m = re.search(r"(?ms)^input \[\n.*?^\]", text)
+        if m is None:
+            raise ValueError(f"{path}: no input block")
+        new = text[:m.start()] + config_input_block(model) + text[m.end():]
+        if new != text:
+            path.write_text(new)
+            changed.append(model)
+    return changed
+
+
+if __name__ == "__main__":
+    import sys
+
+    print("rewrote:", ", ".join(write_config_inputs(sys.argv[1] if len(sys.argv) > 1 else "model_repository"))
+          or "nothing")

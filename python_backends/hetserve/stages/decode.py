@@ -24,7 +24,7 @@ import numpy as np
 from .. import errors, schema
 from ..errors import INTERNAL, Overloaded, RequestError, kind_of_exception
 from ..kv import wire
-from ..sampling import is_stop_token
+from ..sampling import MAX_CHOICES, is_stop_token
 from ..scheduler import Sequence
 from .types import DecodeCall, Metrics, NoMetrics, Reply
 
@@ -44,6 +44,7 @@ class PendingKV:
     def __init__(self, max_entries: int = 256, max_bytes: int = 1 << 30, ttl_s: float = PENDING_TTL_S,
                  clock: Callable[[], float] = time.monotonic):
         self._d: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
+        self._shares: Dict[str, int] = {}  # forked KV (choices of n): takes left after this one
         self._cv = threading.Condition()
         self.max_entries, self.max_bytes, self.ttl_s, self.clock = max_entries, max_bytes, ttl_s, clock
         self.nbytes = 0
@@ -56,6 +57,7 @@ class PendingKV:
 
     def _drop(self, rid):
         k, v, _ = self._d.pop(rid)
+        self._shares.pop(rid, None)
         self.nbytes -= k.nbytes + v.nbytes
         return k, v
 
@@ -75,8 +77,10 @@ class PendingKV:
             self.nbytes += size
             self._cv.notify_all()
 
-    def take(self, rid, timeout_s: float):
-        """The KV for `rid`, waiting up to `timeout_s` for it to arrive; None when it does not."""
+    def take(self, rid, timeout_s: float, shares: int = 1):
+        """The KV for `rid`, waiting up to `timeout_s` for it to arrive; None when it does not. With shares > 1
+        (the choices of one request fork one transfer) the same arrays go to `shares` takers, the entry to the
+        last (or the TTL)."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while rid not in self._d:
@@ -84,7 +88,12 @@ class PendingKV:
                 if left <= 0:
                     return None
                 self._cv.wait(left)
-            return self._drop(rid)
+            left_after = self._shares.get(rid, shares) - 1
+            if left_after <= 0:
+                return self._drop(rid)
+            self._shares[rid] = left_after
+            k, v, _ = self._d[rid]
+            return k, v
 
     def __len__(self):
         return len(self._d)
@@ -100,6 +109,8 @@ def call_from_tensors(t: schema.Tensors) -> DecodeCall:
         params=schema.sampling_params(t) if op == "generate" else None,
         precision=schema.scalar(t, "precision", None, str) or None,
         kv_sent=bool(schema.scalar(t, "kv_sent", schema.INPUTS["kv_sent"].default)),
+        kv_key=schema.scalar(t, "kv_key", None, str) or None,
+        kv_shares=schema.scalar(t, "kv_shares", schema.INPUTS["kv_shares"].default, int),
         kv_header=None if raw is None or raw.size == 0 else bytes(raw.reshape(-1)[0]),
         kv_payload=t.get("kv_payload"), ingest_token=schema.scalar(t, "ingest_token", "", str) or "")
 
@@ -151,7 +162,7 @@ class DecodeStage:
             getattr(self, "_op_" + call.op)(call, reply)
         except Exception as e:
             if call.op == "generate" and call.request_id:  # refused: drop KV already pushed for it (else TTL)
-                self.pending.take(call.request_id, 0)
+                self.pending.take(call.kv_key or call.request_id, 0, call.kv_shares)
             if kind_of_exception(e) == INTERNAL:
                 log.error("decode op=%s of request %s failed: %s", call.op, call.request_id, e, exc_info=e)
             reply.error(errors.from_exception(e, f"decode op={call.op}"))
@@ -207,10 +218,13 @@ class DecodeStage:
         assert params is not None  # call_from_tensors parses sampling for op=generate
         schema.check_prompt(prompt + out_ids, self.cfg, params.max_tokens - len(out_ids))
         params.stop_token_ids = [t for t in params.stop_token_ids if t >= 0]  # [-1] stands for "none"
+        params.check_vocab(self.cfg.vocab_size)
+        if not 1 <= call.kv_shares <= MAX_CHOICES:
+            raise RequestError(f"kv_shares must be in [1, {MAX_CHOICES}]")
         prec = self._precision(call.precision)
         if len(out_ids) >= params.max_tokens or is_stop_token(out_ids[-1], params, self.cfg.eos_token_ids):
             reply.tokens([], "length", final=True)
-            self.pending.take(rid, 0)
+            self.pending.take(call.kv_key or rid, 0, call.kv_shares)
             return
         self.admit.submit(self._admit, call, prec, reply)
 
@@ -247,10 +261,11 @@ class DecodeStage:
     def context_kv(self, call: DecodeCall, prec: str):
         """KV of prompt + output_ids[:-1]: the transferred KV, else a snapshot + the tail, else a recompute."""
         rid, prompt, out_ids = call.request_id, call.prompt, call.output_ids
+        key = call.kv_key or rid
         first = len(out_ids) == 1
-        got = self.pending.take(rid, self.config.kv_timeout_s) if first and call.kv_sent else None
+        got = self.pending.take(key, self.config.kv_timeout_s, call.kv_shares) if first and call.kv_sent else None
         if first and not call.kv_sent:
-            self.pending.take(rid, 0)  # a partial transfer may still have landed: never use it, free it
+            self.pending.take(key, 0, call.kv_shares)  # a partial transfer may have landed: never use it, free it
         ctx = prompt + out_ids[:-1]
         if got is not None and got[0].shape[2] == len(ctx):
             return got
@@ -278,13 +293,16 @@ class DecodeStage:
             if self.snapshots is not None:
                 self.snapshots.track(call.request_id, call.prompt)
 
-            def on_tokens(toks, reason):
-                reply.tokens(list(toks), reason, final=bool(reason))
+            def on_tokens(toks, reason, logprobs=None):
+                reply.tokens(list(toks), reason, final=bool(reason), logprobs=logprobs)
 
             assert call.request_id and call.params is not None  # checked by _op_generate
+            # a choice of n forks the KV sent once (copy on write in the block pool), unless it was recomputed
+            group = (call.kv_key or call.request_id, call.kv_shares) if call.kv_shares > 1 and call.kv_sent \
+                and len(call.output_ids) == 1 else None
             self.sched.submit(Sequence(call.request_id, len(call.prompt), list(call.output_ids), call.params, prec,
                                        on_tokens, reply.cancelled, on_error=reply.error, k=k, v=v,
-                                       prompt_ids=list(call.prompt)))
+                                       prompt_ids=list(call.prompt), kv_group=group))
         except Exception as e:
             if kind_of_exception(e) == INTERNAL:
                 log.error("decode admission of request %s failed: %s", call.request_id, e, exc_info=e)

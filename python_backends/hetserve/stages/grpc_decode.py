@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from .. import errors
+from ..sampling import TokenLogprobs
 from .types import DecodeFailed, DecodeRequest, TokenChunk
 
 log = logging.getLogger("hetserve.orchestrator")
@@ -102,7 +103,9 @@ class GrpcDecodeStream:
 
         ins = build_inputs(None, op="generate", request_id=req.request_id, input_ids=req.prompt,
                            output_ids=req.output_ids, precision=req.precision,
-                           kv_sent=None if req.kv_sent else False, **dict(schema.sampling_arrays(req.params)))
+                           kv_sent=None if req.kv_sent else False, kv_key=req.kv_key,
+                           kv_shares=req.kv_shares if req.kv_shares > 1 else None,
+                           **dict(schema.sampling_arrays(req.params, choice=True)))
         request = {"model_name": "decode", "inputs": ins, "request_id": req.request_id,
                    "enable_empty_final_response": True}
         self._task = asyncio.run_coroutine_threadsafe(self._run(request), self.hub.loop)
@@ -148,22 +151,26 @@ class GrpcDecodeStream:
             except queue.Empty:
                 raise DecodeFailed(f"decode server sent nothing for {timeout_s:.1f}s") from None
             ids: list = []
+            lps: Optional[TokenLogprobs] = None
             while True:
                 try:
                     chunk = self._chunk(*item)
                 except Exception:
                     if ids:  # tokens that arrived before the error still count (a migration resumes after them)
-                        yield TokenChunk(ids)
+                        yield TokenChunk(ids, None, lps)
                     raise
                 ids += chunk.token_ids
+                if chunk.logprobs is not None:
+                    lps = lps or TokenLogprobs()
+                    lps.extend(chunk.logprobs)
                 if chunk.finish_reason is not None:
-                    yield TokenChunk(ids, chunk.finish_reason)
+                    yield TokenChunk(ids, chunk.finish_reason, lps)
                     return
                 try:
                     item = self.q.get_nowait()
                 except queue.Empty:
                     break
-            yield TokenChunk(ids)
+            yield TokenChunk(ids, None, lps)
 
     @staticmethod
     def _chunk(result, err) -> TokenChunk:
@@ -178,8 +185,11 @@ class GrpcDecodeStream:
         toks = result.as_numpy("token_ids")
         fr = result.as_numpy("finish_reason")
         reason = fr.reshape(-1)[0].decode() if fr is not None and fr.size else None
+        lp = result.as_numpy("output_log_probs")
+        lps = None if lp is None else TokenLogprobs.from_arrays(lp, result.as_numpy("top_logprob_ids"),
+                                                                result.as_numpy("top_logprob_values"))
         return TokenChunk([] if toks is None else [int(x) for x in toks.reshape(-1)],
-                          reason or ("stop" if final else None))
+                          reason or ("stop" if final else None), lps)
 
     def close(self, cancel: bool = False) -> None:
         """Stop reading; with cancel, cancel the Triton request (the decode server frees the sequence)."""

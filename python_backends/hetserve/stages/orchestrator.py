@@ -9,11 +9,13 @@ makes decode recompute at once (kv_sent=false) instead of waiting for KV that wi
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from ..errors import HetserveError, Overloaded, RequestError, kind_of_exception
 from ..sampling import is_stop_token
@@ -43,6 +45,7 @@ REQUEST_ERRORS_METRIC = "hetserve_request_errors_total"
 class OrchestratorConfig:
     step_timeout_s: float = 30.0   # a decode server silent this long is treated as dead (migrate)
     max_migrations: int = 3        # moves per request before giving up
+    max_choice_threads: int = 64   # threads decoding the extra choices of n > 1 requests, all requests together
 
 
 def internal_request_id(client_id: str) -> str:
@@ -52,6 +55,63 @@ def internal_request_id(client_id: str) -> str:
     return f"{safe}-{uuid.uuid4().hex[:16]}" if safe else uuid.uuid4().hex
 
 
+class _ChoiceGroup:
+    """The choices of one request: their sinks, and the first failure (which cancels the rest)."""
+
+    def __init__(self, sink: TokenSink):
+        self._sink = sink
+        self._sinks: Dict[int, TokenSink] = {}
+        self._lock = threading.Lock()
+        self.error: Optional[BaseException] = None
+
+    def sink(self, i: int) -> TokenSink:
+        with self._lock:
+            s = self._sinks.get(i)
+            if s is None:
+                s = _GroupSink(self._sink.choice(i), self)
+                self._sinks[i] = s
+            return s
+
+    def fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = e
+
+    def cancelled(self) -> bool:
+        return self.error is not None or self._sink.cancelled()
+
+    def raise_first(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _GroupSink:
+    """A choice's sink that also stops when another choice of its request failed."""
+
+    def __init__(self, sink: TokenSink, group: _ChoiceGroup):
+        self._s, self._g = sink, group
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self._s.finish_reason
+
+    @finish_reason.setter
+    def finish_reason(self, value: Optional[str]) -> None:
+        self._s.finish_reason = value
+
+    def push(self, token_ids, reason=None, logprobs=None) -> bool:
+        return self._s.push(token_ids, reason, logprobs) and not self._g.cancelled()
+
+    def finish(self, reason: str) -> None:
+        self._s.finish(reason)
+
+    def cancelled(self) -> bool:
+        return self._g.cancelled()
+
+    def choice(self, i: int) -> TokenSink:
+        return self._g.sink(i)
+
+
 class Orchestrator:
     def __init__(self, prefill: PrefillClient, decode: DecodeClient, pool: Pool, breaker: Breaker,
                  eos_ids, config: Optional[OrchestratorConfig] = None, metrics: Optional[Metrics] = None):
@@ -59,6 +119,9 @@ class Orchestrator:
         self.eos_ids = list(eos_ids)
         self.config = config or OrchestratorConfig()
         self.metrics = metrics or NoMetrics()
+        # choices 2..n of n > 1 requests decode on these threads (choice 1 on the request's own)
+        self._choice_workers = concurrent.futures.ThreadPoolExecutor(self.config.max_choice_threads,
+                                                                     thread_name_prefix="llm-choice")
 
     def run(self, req: GenerateRequest, sink: TokenSink, t0: Optional[float] = None) -> None:
         """Generate into `sink` until it is finished. Raises on failure (the adapter answers with the error,
@@ -75,7 +138,7 @@ class Orchestrator:
             # the transport negotiated with this member (kv/transport); a fallback is counted + logged by the pool
             transport = self.pool.transport_for(member, req.transport)
             res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, member, transport,
-                                                  req.kv_dtype))
+                                                  req.kv_dtype, n=req.n))
             self.breaker.record(time.perf_counter() - t0)
             probe = False
             if not res.transfer_ok:
@@ -83,10 +146,13 @@ class Orchestrator:
                 self.metrics.inc(TRANSFER_FAILED_METRIC, reason="transfer_failed", transport=transport)
                 log.warning("request %s: prefill could not send the KV to %s over %s; decode recomputes it at "
                             "once", rid, member, transport)
+            if req.n > 1:
+                self._choices(req, sink, res, rid, lease)
+                return
             first = res.first_token
             stop = is_stop_token(first, req.params, self.eos_ids)
             reason = "stop" if stop else ("length" if req.params.max_tokens == 1 else None)
-            if not sink.push([first], reason) or sink.cancelled():
+            if not sink.push([first], reason, res.choice_logprobs(0)) or sink.cancelled():
                 if res.transfer_ok:
                     self.decode.release(member, rid)  # no decode for it: free the KV pushed to decode
                 return
@@ -108,6 +174,49 @@ class Orchestrator:
             if lease[0] is not None:
                 self.pool.release(lease[0])
 
+    def _choices(self, req: GenerateRequest, sink: TokenSink, res, rid: str, lease: List[Optional[str]]) -> None:
+        """n choices from one prefill: each pushes its own first token, the ones that go on decode on the member
+        that received the KV (each forks it there, kv_key = rid, kv_shares = how many), concurrently, each
+        migrating on its own. The first failure cancels the others and is raised."""
+        member = lease[0]
+        assert member is not None
+        group = _ChoiceGroup(sink)
+        going = []
+        for i in range(req.n):
+            first = res.choice_first(i)
+            p = req.params.for_choice(i)
+            reason = "stop" if is_stop_token(first, p, self.eos_ids) else ("length" if p.max_tokens == 1 else None)
+            if group.sink(i).push([first], reason, res.choice_logprobs(i)):
+                going.append((i, first, p))
+        if not going or group.cancelled():
+            if res.transfer_ok:
+                self.decode.release(member, rid)
+            return
+        def run(i: int, first: int, p) -> None:
+            own: List[Optional[str]] = [member]
+            if i != going[0][0]:
+                self.pool.hold(member)  # each choice holds its own lease (a migration moves it alone)
+            try:
+                self._decode(group.sink(i), DecodeRequest(f"{rid}.{i}", list(req.prompt), [first], p, req.precision,
+                                                          kv_sent=res.transfer_ok, kv_key=rid,
+                                                          kv_shares=len(going)), own)
+            except BaseException as e:
+                group.fail(e)
+            finally:
+                if i != going[0][0] and own[0] is not None:
+                    self.pool.release(own[0])
+        futures = [self._choice_workers.submit(run, *g) for g in going[1:]]
+        own0 = lease  # the first going choice decodes on the request's own lease
+        try:
+            self._decode(group.sink(going[0][0]), DecodeRequest(
+                f"{rid}.{going[0][0]}", list(req.prompt), [going[0][1]], going[0][2], req.precision,
+                kv_sent=res.transfer_ok, kv_key=rid, kv_shares=len(going)), own0)
+        except BaseException as e:
+            group.fail(e)
+        for f in futures:
+            f.result()
+        group.raise_first()
+
     def _decode(self, sink: TokenSink, dreq: DecodeRequest, lease: List[Optional[str]]) -> None:
         """Stream from decode servers until the sequence ends; on failure migrate to another server with the
         tokens so far. lease[0] is the pool member in use (released by run())."""
@@ -125,7 +234,7 @@ class Orchestrator:
                         cancel = True
                         return
                     dreq.output_ids.extend(chunk.token_ids)
-                    if not sink.push(chunk.token_ids, chunk.finish_reason):
+                    if not sink.push(chunk.token_ids, chunk.finish_reason, chunk.logprobs):
                         cancel = chunk.finish_reason is None or sink.finish_reason != chunk.finish_reason
                         return
                 sink.finish("stop")

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from ..bounded import BoundedExecutor
 from ..errors import RequestError
 from ..kv import wire
 from ..kv.transport import NAMES as TRANSPORTS
 from ..kv.transport import TransferTimeout, TransportUnavailable, spec
-from ..sampling import SamplingParams, sample
+from ..sampling import MAX_CHOICES, MatcherFactory, SamplingParams, TokenLogprobs, TokenSampler
 from .prefill_batch import BatchConfig, PrefillBatcher
 
 log = logging.getLogger("hetserve.prefill")
@@ -38,6 +38,7 @@ class PrefillCall:
     decode_url: Optional[str] = None  # who may set it is the binding's business (orchestrator token / admin key)
     skip_transfer: bool = False
     use_prefix: bool = True
+    n: int = 1  # choices: one first token each, sampled from the one prefill (the KV is sent once)
 
 
 @dataclass
@@ -50,6 +51,8 @@ class PrefillOutcome:
     transfer_ok: bool        # false: the KV did not reach decode, which recomputes it
     prefix_hit_tokens: int   # prompt tokens whose KV came from the prefix cache
     transport_used: str      # the requested one, grpc after a counted fallback, "none" when skipped
+    first_tokens: List[int] = field(default_factory=list)  # one per choice (first_token is [0])
+    first_logprobs: List[TokenLogprobs] = field(default_factory=list)  # per choice, when the request asks
 
 
 class PrefillReply(Protocol):
@@ -99,8 +102,9 @@ class PrefillStage:
     def __init__(self, engine, sender: Sender, defaults: PrefillDefaults, batch: BatchConfig,
                  metrics: TransferMetrics, prefix=None, on_forward: Optional[Callable[[Any, float], None]] = None,
                  classify_failure: Callable[[BaseException], str] = lambda e: "refused", start: bool = True,
-                 send_threads: int = 0):
+                 send_threads: int = 0, matcher_factory: Optional[MatcherFactory] = None):
         self.engine, self.sender, self.defaults, self.metrics = engine, sender, defaults, metrics
+        self.matcher_factory = matcher_factory  # structured output (hetserve.structured); None: refused
         self.classify_failure = classify_failure  # exception -> the `reason` label of a failed transfer
         self._unavailable: Dict[str, str] = {}  # transport -> why it cannot run here ('' = it can), asked once
         # bounded like the batcher: at most max_queue finished prompts wait for their send
@@ -123,6 +127,11 @@ class PrefillStage:
         why = self.unavailable_reason(transport)
         if why:
             raise RequestError(f"KV transport {transport!r} cannot run on this prefill server: {why}")
+        call.params.check_vocab(self.engine.config.vocab_size)
+        if call.params.guide_type and self.matcher_factory is None:
+            raise RequestError("structured output (guided decoding) is not available on this prefill server")
+        if not 1 <= call.n <= MAX_CHOICES:
+            raise RequestError(f"num_return_sequences must be in [1, {MAX_CHOICES}], got {call.n}")
         kv_dtype = call.kv_dtype or self.defaults.kv_dtype
         if kv_dtype not in wire.DTYPES:
             raise RequestError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")
@@ -163,7 +172,7 @@ class PrefillStage:
     def _finish(self, job) -> None:
         """The whole prompt has KV. Sample the first token, push the KV to decode, answer."""
         q: _Queued = job.handle
-        first = sample(job.logits, q.call.params, 0)
+        firsts, lps = self.first_tokens(q.call, job.logits)
         t1 = time.perf_counter()
         info: Dict[str, Any] = {"transport": "none", "bytes": 0, "seconds": 0.0}
         ok = True
@@ -177,8 +186,21 @@ class PrefillStage:
                 self.record_transfer(q.transport, None, e)
                 ok = False
                 info = {"transport": q.transport, "bytes": 0, "seconds": time.perf_counter() - t1}
-        q.reply.done(PrefillOutcome(int(first), len(job.ids), int(info["bytes"]), job.compute_s * 1e3,
-                                    info["seconds"] * 1e3, ok, int(job.hit), str(info["transport"])))
+        q.reply.done(PrefillOutcome(firsts[0], len(job.ids), int(info["bytes"]), job.compute_s * 1e3,
+                                    info["seconds"] * 1e3, ok, int(job.hit), str(info["transport"]), firsts, lps))
+
+    def first_tokens(self, call: PrefillCall, logits) -> Tuple[List[int], List[TokenLogprobs]]:
+        """The first token of each choice (its own random stream, penalties over the prompt, grammar) and, when
+        asked, its logprobs."""
+        firsts, lps = [], []
+        for i in range(call.n):
+            p = call.params.for_choice(i) if i else call.params
+            matcher = self.matcher_factory(p, ()) if p.guide_type and self.matcher_factory else None
+            tok, lp = TokenSampler(p, call.prompt, (), matcher).next(logits, 0)
+            firsts.append(int(tok))
+            if lp is not None:
+                lps.append(lp)
+        return firsts, lps
 
     def _fail(self, job, exc) -> None:
         job.handle.reply.error(exc)

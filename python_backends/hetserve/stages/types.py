@@ -9,7 +9,7 @@ from typing import Iterator, List, Optional, Protocol
 import numpy as np
 
 from ..errors import InternalError
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenLogprobs
 
 
 # ---- orchestrator (llm) ------------------------------------------------------------------------------------
@@ -22,6 +22,7 @@ class GenerateRequest:
     transport: Optional[str] = None  # KV transport (None: prefill's default)
     kv_dtype: Optional[str] = None   # KV wire dtype (None: prefill's default)
     request_id: str = ""             # the client's id (Triton request id), the prefix of the internal one
+    n: int = 1                       # choices (num_return_sequences), all from one prefill
 
 
 @dataclass
@@ -32,6 +33,7 @@ class PrefillJob:
     decode_url: str                  # the pool member that will decode (prefill pushes the KV there)
     transport: Optional[str] = None
     kv_dtype: Optional[str] = None
+    n: int = 1                       # choices: the first token of each is sampled from the one prefill
 
 
 @dataclass
@@ -39,6 +41,14 @@ class PrefillResult:
     first_token: int
     transfer_ok: bool = True         # false: the KV did not reach decode (decode must recompute)
     transport_used: str = ""
+    first_tokens: List[int] = field(default_factory=list)   # n > 1: one per choice (first_token = [0])
+    first_logprobs: List[TokenLogprobs] = field(default_factory=list)  # per choice, when asked
+
+    def choice_first(self, i: int) -> int:
+        return self.first_tokens[i] if self.first_tokens else self.first_token
+
+    def choice_logprobs(self, i: int) -> Optional[TokenLogprobs]:
+        return self.first_logprobs[i] if i < len(self.first_logprobs) else None
 
 
 @dataclass
@@ -50,12 +60,15 @@ class DecodeRequest:
     params: SamplingParams
     precision: Optional[str] = None
     kv_sent: bool = True             # false: do not wait for transferred KV, recompute at once
+    kv_key: Optional[str] = None     # a choice of n: the request id the shared KV was sent under
+    kv_shares: int = 1               # ... and how many choices fork it
 
 
 @dataclass
 class TokenChunk:
     token_ids: List[int]
     finish_reason: Optional[str] = None  # set on the final chunk
+    logprobs: Optional[TokenLogprobs] = None  # aligned with token_ids, when the request asked for them
 
 
 class PrefillClient(Protocol):
@@ -86,17 +99,23 @@ class TokenSink(Protocol):
     generation should stop (stop string, final reason); finish_reason is set once the stream is closed."""
     finish_reason: Optional[str]
 
-    def push(self, token_ids: List[int], reason: Optional[str] = None) -> bool: ...
+    def push(self, token_ids: List[int], reason: Optional[str] = None,
+             logprobs: Optional[TokenLogprobs] = None) -> bool: ...
 
     def finish(self, reason: str) -> None: ...
 
     def cancelled(self) -> bool: ...
+
+    def choice(self, i: int) -> "TokenSink":
+        """The sink of choice i of an n > 1 request (choice(0) may be this one)."""
 
 
 class Pool(Protocol):  # reliability.DecodePool
     def pick(self, exclude=()) -> str: ...
 
     def release(self, url: str) -> None: ...
+
+    def hold(self, url: str) -> None: ...
 
     def mark_down(self, url: str, why: str) -> None: ...
 
@@ -138,6 +157,8 @@ class DecodeCall:
     params: Optional[SamplingParams] = None   # op=generate only
     precision: Optional[str] = None
     kv_sent: bool = True
+    kv_key: Optional[str] = None      # the KV was sent under this id (a choice of n), not request_id
+    kv_shares: int = 1                # choices forking that KV
     kv_header: Optional[bytes] = None
     kv_payload: Optional[np.ndarray] = None
     ingest_token: str = ""
@@ -147,7 +168,8 @@ class Reply(Protocol):
     """The decode adapter's answer channel for one request (a Triton response sender). Exactly one final
     answer per request: tokens(..., final=True), json() or error()."""
 
-    def tokens(self, token_ids: List[int], finish_reason: Optional[str] = None, final: bool = False) -> None: ...
+    def tokens(self, token_ids: List[int], finish_reason: Optional[str] = None, final: bool = False,
+               logprobs: Optional[TokenLogprobs] = None) -> None: ...
 
     def json(self, obj: dict) -> None: ...
 

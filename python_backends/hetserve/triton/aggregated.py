@@ -8,7 +8,7 @@ from .. import config
 from ..bounded import BoundedExecutor
 from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
-from ..sampling import is_stop_token, sample
+from ..sampling import is_stop_token
 from ..scheduler import DecodeScheduler, Sequence
 from .common import check_prompt, engine_dir, inp, log_if_ours, sampling_params, send_error, tokenizer
 from .metrics import BusyMeter, Poller
@@ -53,20 +53,23 @@ class TritonPythonModel:
             prompt = [int(x) for x in ids.reshape(-1)] if ids is not None and ids.size else \
                 [int(x) for x in tokenize_request(r)]
             check_prompt(prompt, self.cfg, params.max_tokens)
+            params.check_vocab(self.cfg.vocab_size)
+            sampler = self.sched.new_sampler(params, prompt, ())  # refuses a guide it cannot serve, before work
             with self.busy.timed():
                 logits, k, v = self.prefill.prefill(prompt)
-            first = sample(logits, params, 0)
+            first, lp = sampler.next(logits, 0)
             stop = is_stop_token(first, params, self.cfg.eos_token_ids)
-            if not streamer.push([first], "stop" if stop else ("length" if params.max_tokens == 1 else None)):
+            if not streamer.push([first], "stop" if stop else ("length" if params.max_tokens == 1 else None), lp):
                 return
 
-            def on_tokens(toks, reason):
-                if streamer.finish_reason is None and not streamer.push(toks, reason) and reason is None:
+            def on_tokens(toks, reason, logprobs=None):
+                if streamer.finish_reason is None and not streamer.push(toks, reason, logprobs) and reason is None:
                     raise _StopGeneration()
 
             cancelled = getattr(sender, "is_cancelled", lambda: False)
             self.sched.submit(Sequence(f"agg-{id(r)}", len(prompt), [first], params, self.precision, on_tokens,
-                                       cancelled, on_error=streamer.fail, k=k, v=v))
+                                       cancelled, on_error=streamer.fail, k=k, v=v, prompt_ids=prompt,
+                                       sampler=sampler))
         except Exception as e:
             log_if_ours(log, e, "aggregated", r.request_id())
             if streamer is not None:

@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils  # provided by the stub
 
 from .. import config, errors, schema
 from ..errors import RequestError  # noqa: F401  (re-exported: the adapters raise it)
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenLogprobs
 from ..schema import MAX_TOKENS_LIMIT, check_kv_tokens, check_prompt  # noqa: F401  (re-exported)
 from ..server import ADMIN_PARAM
 
@@ -143,6 +143,22 @@ def sampling_params(request, default_max_tokens: Optional[int] = None) -> Sampli
 def sampling_tensors(p: SamplingParams) -> list:
     """SamplingParams -> (name, array) pairs for forwarding to another model/server."""
     return schema.sampling_arrays(p)
+
+
+def logprob_tensors(lps: TokenLogprobs) -> list:
+    """output_log_probs [k], top_logprob_ids / top_logprob_values [k, N] of a run of k tokens."""
+    n_top = len(lps.top_ids[0]) if lps.top_ids else 0
+    lp, ids, vals = lps.arrays(n_top)
+    return [pb_utils.Tensor("output_log_probs", lp), pb_utils.Tensor("top_logprob_ids", ids),
+            pb_utils.Tensor("top_logprob_values", vals)]
+
+
+def logprobs_of(get) -> Optional[TokenLogprobs]:
+    """TokenLogprobs from a response's outputs (`get(name)` -> array or None), None when it has none."""
+    lp = get("output_log_probs")
+    if lp is None:
+        return None
+    return TokenLogprobs.from_arrays(lp, get("top_logprob_ids"), get("top_logprob_values"))
 
 
 def str_tensor(name: str, values) -> "pb_utils.Tensor":

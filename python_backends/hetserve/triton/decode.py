@@ -17,11 +17,21 @@ from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..kv.blocks import BlockPool
 from ..kv.snapshot import Snapshotter
+from ..sampling import TokenLogprobs
 from ..scheduler import DecodeScheduler
 
 # PendingKV re-exported for existing callers (tests/test_hardening.py)
 from ..stages.decode import RECOMPUTE_REASONS, DecodeConfig, DecodeStage, PendingKV
-from .common import engine_dir, ingest_token_ok, json_bytes, send_error, start_admin_channel, str_tensor, tensors_of
+from .common import (
+    engine_dir,
+    ingest_token_ok,
+    json_bytes,
+    logprob_tensors,
+    send_error,
+    start_admin_channel,
+    str_tensor,
+    tensors_of,
+)
 from .metrics import REGISTRY, Poller, gauges
 
 log = logging.getLogger("hetserve.decode")
@@ -43,15 +53,23 @@ class TokenOutbox:
         self._thread = threading.Thread(target=self._run, name="decode-outbox", daemon=True)
         self._thread.start()
 
-    def put(self, reply: "SenderReply", ids, reason, final: bool, error=None) -> None:
+    def put(self, reply: "SenderReply", ids, reason, final: bool, error=None, logprobs=None) -> None:
         with self._cv:
             e = self._pending.get(id(reply))
             if e is None:
-                self._pending[id(reply)] = [reply, list(ids), reason, final, error]
+                lps = None
+                if logprobs is not None:
+                    lps = TokenLogprobs()
+                    lps.extend(logprobs)
+                self._pending[id(reply)] = [reply, list(ids), reason, final, error, lps]
                 self._cv.notify()
             else:
                 e[1].extend(ids)
                 e[2], e[3], e[4] = reason or e[2], final or e[3], error or e[4]
+                if logprobs is not None:
+                    if e[5] is None:
+                        e[5] = TokenLogprobs()
+                    e[5].extend(logprobs)
 
     def _run(self) -> None:
         while True:
@@ -62,9 +80,9 @@ class TokenOutbox:
                     return
                 batch = list(self._pending.values())
                 self._pending.clear()
-            for reply, ids, reason, final, error in batch:
+            for reply, ids, reason, final, error, lps in batch:
                 try:
-                    reply.deliver(ids, reason, final, error)
+                    reply.deliver(ids, reason, final, error, lps)
                 except Exception as e:  # the stream is gone: nothing left to tell it
                     log.info("decode response not delivered: %s", e)
 
@@ -83,17 +101,19 @@ class SenderReply:
         self._cancelled = False
         self._fresh = False  # the outbox asked Triton since the scheduler last did: its answer stands
 
-    def tokens(self, token_ids, finish_reason=None, final=False):
-        self.outbox.put(self, token_ids, finish_reason, final)
+    def tokens(self, token_ids, finish_reason=None, final=False, logprobs=None):
+        self.outbox.put(self, token_ids, finish_reason, final, logprobs=logprobs)
 
     def error(self, exc):
         self.outbox.put(self, [], None, True, exc)
 
-    def deliver(self, token_ids, finish_reason, final, error) -> None:
+    def deliver(self, token_ids, finish_reason, final, error, logprobs=None) -> None:
         """Send on the outbox thread: the tokens, then the error (as data, then the final Triton error, which
         stages/grpc_decode reads) or the final flag. A cancelled stream gets only its final response."""
         if token_ids and (final or not self._ask()):
             tensors = [pb_utils.Tensor("token_ids", np.asarray(token_ids, np.int32))]
+            if logprobs is not None:
+                tensors += logprob_tensors(logprobs)
             if finish_reason:
                 tensors.append(str_tensor("finish_reason", [finish_reason]))
             self.sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL if final and error is None else 0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from typing import Optional
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -27,6 +28,7 @@ from ..engines.manifest import read_manifest
 from ..errors import Overloaded
 from ..model.checkpoint import LlamaConfig
 from ..reliability import CircuitBreaker, DecodePool
+from ..sampling import MAX_CHOICES, TokenLogprobs
 from ..stages.grpc_decode import GrpcDecodeClient
 from ..stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
 from ..stages.types import GenerateRequest, PrefillJob, PrefillResult
@@ -44,7 +46,7 @@ from .common import (
     tokenizer,
 )
 from .metrics import REGISTRY
-from .streaming import TextStreamer
+from .streaming import ChoiceSender, TextStreamer
 
 log = logging.getLogger("hetserve.llm")
 
@@ -77,29 +79,54 @@ class BlsPrefill:
         for name, value in (("transport", job.transport), ("kv_dtype", job.kv_dtype)):
             if value:
                 ins.append(str_tensor(name, [value]))
+        if job.n > 1:
+            ins.append(pb_utils.Tensor("num_return_sequences", np.array([job.n], np.int32)))
         ins += [pb_utils.Tensor(n, a) for n, a in schema.sampling_arrays(job.params)]
-        out = _bls("prefill", ins, ["first_token", "transfer_ok", "transport_used"])
+        names = ["first_token", "transfer_ok", "transport_used"]
+        if job.params.wants_logprobs:
+            names += ["output_log_probs", "top_logprob_ids", "top_logprob_values"]
+        out = _bls("prefill", ins, names)
         used = out["transport_used"]
-        return PrefillResult(int(out["first_token"].reshape(-1)[0]), bool(out["transfer_ok"].reshape(-1)[0]),
-                             bytes(used.reshape(-1)[0]).decode() if used is not None and used.size else "")
+        firsts = [int(x) for x in out["first_token"].reshape(-1)]
+        lps = []
+        if job.params.wants_logprobs and out.get("output_log_probs") is not None:
+            all_lp = TokenLogprobs.from_arrays(out["output_log_probs"], out["top_logprob_ids"],
+                                               out["top_logprob_values"])
+            lps = [TokenLogprobs([all_lp.logprob[i]], [all_lp.top_ids[i]], [all_lp.top_values[i]])
+                   for i in range(len(all_lp))]
+        return PrefillResult(firsts[0], bool(out["transfer_ok"].reshape(-1)[0]),
+                             bytes(used.reshape(-1)[0]).decode() if used is not None and used.size else "",
+                             first_tokens=firsts, first_logprobs=lps)
 
 
 class Sink(TextStreamer):
-    """TokenSink over the request's response sender (stream=true: one response per step)."""
+    """TokenSink over the request's response sender (stream=true: one response per step). n > 1: choice(i) is
+    choice i's sink over one ChoiceSender (each response says its sequence_index; FINAL comes once)."""
 
     def cancelled(self) -> bool:
         return bool(getattr(self.sender, "is_cancelled", lambda: False)())
 
+    def choice(self, i: int) -> "Sink":
+        if not isinstance(self.sender, ChoiceSender):
+            raise RuntimeError("choice() of a sink made for one choice")
+        return Sink(self.sender, self.tok, self.params.for_choice(i), self.eos_ids, self.model, index=i)
+
 
 class WholeAnswer(Sink):
     """stream=false: hold every step back and send one final response with the whole answer (text_output = the
-    full text, token_ids = output_ids = all generated ids), so exactly one response reaches the client."""
+    full text, token_ids = output_ids = all generated ids, their logprobs when asked), so exactly one response
+    reaches the client."""
 
     streaming = False
+    _all_logprobs: Optional[TokenLogprobs] = None
 
-    def _send(self, delta, new, final):
+    def _send(self, delta, new, final, logprobs=None):
+        if logprobs is not None:
+            if self._all_logprobs is None:
+                self._all_logprobs = TokenLogprobs()
+            self._all_logprobs.extend(logprobs)
         if final:
-            super()._send(self.text, list(self.ids), final=True)
+            super()._send(self.text, list(self.ids), final=True, logprobs=self._all_logprobs)
 
 
 class TritonPythonModel:
@@ -154,8 +181,18 @@ class TritonPythonModel:
             try:
                 t = tensors_of(r, "llm")
                 params = schema.sampling_params(t)
-                cls = Sink if bool(schema.scalar(t, "stream", schema.INPUTS["stream"].default)) else WholeAnswer
-                streamer = cls(sender, tokenizer(), params, self.cfg.eos_token_ids, model="llm")
+                n = schema.scalar(t, "num_return_sequences", 1, int)
+                streaming = bool(schema.scalar(t, "stream", schema.INPUTS["stream"].default))
+                if not 1 <= n <= MAX_CHOICES:
+                    raise RequestError(f"num_return_sequences must be in [1, {MAX_CHOICES}], got {n}")
+                if n > 1 and not streaming:
+                    raise RequestError("num_return_sequences > 1 needs stream=true (each choice's responses carry "
+                                       "its sequence_index; HTTP /generate takes exactly one response)")
+                if params.guide_type:
+                    self._guides(params)
+                cls = Sink if streaming else WholeAnswer
+                streamer = cls(ChoiceSender(sender, n) if n > 1 else sender, tokenizer(), params,
+                               self.cfg.eos_token_ids, model="llm")
                 precision = schema.scalar(t, "decode_precision", None, str) or self.default_precision
                 transport = schema.scalar(t, "transport", None, str) or None
                 kv_dtype = schema.scalar(t, "kv_dtype", None, str) or None
@@ -163,7 +200,8 @@ class TritonPythonModel:
                 raise errors.parse_failure(e, "llm request") from e
             prompt = self._prompt_ids(t)
             schema.check_prompt(prompt, self.cfg, params.max_tokens)
-            self.stage.run(GenerateRequest(prompt, params, precision, transport, kv_dtype, r.request_id()),
+            params.check_vocab(self.cfg.vocab_size)
+            self.stage.run(GenerateRequest(prompt, params, precision, transport, kv_dtype, r.request_id(), n=n),
                            streamer, t0=streamer.t0)
         except Exception as e:
             log_if_ours(log, e, "llm", r.request_id())

@@ -32,6 +32,7 @@ from ..engines.runtime import load_engine
 from ..kv.prefix import PrefixCache
 from ..kv.transport import NAMES as TRANSPORTS
 from ..kv.transport import KVSender, to_prepare
+from ..sampling import TokenLogprobs
 from ..stages.prefill import PrefillCall, PrefillDefaults, PrefillOutcome, PrefillStage
 from ..stages.prefill_batch import BatchConfig
 from .common import (
@@ -42,6 +43,7 @@ from .common import (
     internal_token_ok,
     is_admin,
     log_if_ours,
+    logprob_tensors,
     send_error,
     start_admin_channel,
     str_tensor,
@@ -66,8 +68,14 @@ class _Reply:
         self.sender, self.request_id = sender, request_id
 
     def done(self, o: PrefillOutcome) -> None:
-        self.sender.send(pb_utils.InferenceResponse([
-            pb_utils.Tensor("first_token", np.array([o.first_token], np.int32)),
+        extra = []
+        if o.first_logprobs:
+            lps = TokenLogprobs()
+            for lp in o.first_logprobs:
+                lps.extend(lp)
+            extra = logprob_tensors(lps)
+        self.sender.send(pb_utils.InferenceResponse(extra + [
+            pb_utils.Tensor("first_token", np.array(o.first_tokens or [o.first_token], np.int32)),
             pb_utils.Tensor("prompt_len", np.array([o.prompt_len], np.int32)),
             pb_utils.Tensor("kv_bytes", np.array([o.kv_bytes], np.int64)),
             pb_utils.Tensor("prefill_ms", np.array([o.prefill_ms], np.float32)),
@@ -156,7 +164,8 @@ class TritonPythonModel:
                                "hetserve plan --measure do)")
         call = PrefillCall(ids, params, schema.scalar(t, "request_id", None, str) or f"req-{time.time_ns()}",
                            schema.scalar(t, "transport", None, str), schema.scalar(t, "kv_dtype", None, str), url,
-                           bool(schema.scalar(t, "skip_transfer", False)), bool(schema.scalar(t, "prefix_cache", True)))
+                           bool(schema.scalar(t, "skip_transfer", False)), bool(schema.scalar(t, "prefix_cache", True)),
+                           n=schema.scalar(t, "num_return_sequences", 1, int))
         self.stage.submit(call, _Reply(sender, call.request_id))
 
     def execute(self, requests):
