@@ -22,7 +22,7 @@ import re
 import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import AsyncIterator, List, Optional
+from typing import AsyncIterator, List, Optional, Tuple
 
 import orjson
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' string annotations here
@@ -31,6 +31,7 @@ from fastapi.responses import StreamingResponse
 
 from .. import config
 from .backend import Delta, TritonLLM
+from .responses import Choice, TokenTexts, best, chat_logprobs, completion_logprobs
 from .schema import ApiError, ChatRequest, CompletionRequest, GenRequest, Usage, bad_request, new_id, now, parse
 
 log = logging.getLogger("hetserve.openai")
@@ -105,6 +106,7 @@ class Frontend:
         self.model = Model(cfg.engine_dir)
         self.cfg = cfg if cfg.model_name else replace(cfg, model_name=self.model.name)
         self.llm = TritonLLM(cfg.triton_url, max_concurrent=cfg.max_concurrent, step_timeout_s=cfg.step_timeout_s)
+        self.texts = TokenTexts(self.model.tok)
 
     # ---- request -> GenRequest ------------------------------------------------------------------
     def _check_model(self, name: str):
@@ -117,7 +119,8 @@ class Frontend:
             raise bad_request(f"prompt is {len(text)} characters; the limit is {self.cfg.max_prompt_chars}", param)
         return self.model.tok.encode(text)
 
-    def _gen(self, r, ids: List[int], max_tokens: Optional[int], param: str) -> GenRequest:
+    def _gen(self, r, ids: List[int], max_tokens: Optional[int], param: str, chat: bool,
+             response_format=None) -> Tuple[GenRequest, "Shape"]:
         if not ids:
             raise bad_request("empty prompt", param)
         vocab = self.model.tok.vocab_size
@@ -131,11 +134,35 @@ class Frontend:
         elif max_tokens > room:
             raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                               f"{self.model.context} tokens", "max_tokens")
-        return GenRequest(input_ids=ids, max_tokens=max_tokens,
-                          temperature=1.0 if r.temperature is None else r.temperature,
-                          top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
-                          seed=random.getrandbits(63) if r.seed is None else r.seed,  # OpenAI: no seed = random
-                          stop=list(r.stop or []), ignore_eos=r.ignore_eos)
+        if chat:
+            if r.top_logprobs and not r.logprobs:
+                raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+            want_lp, top = bool(r.logprobs), int(r.top_logprobs or 0)
+            best_of = r.n
+        else:
+            want_lp, top = r.logprobs is not None, int(r.logprobs or 0)
+            best_of = r.best_of or r.n
+            if best_of < r.n:
+                raise bad_request(f"best_of ({best_of}) must be >= n ({r.n})", "best_of")
+            if best_of > r.n and r.stream:
+                raise bad_request("best_of > n cannot be streamed (the best choices are known at the end)", "best_of")
+        bad = [t for t in (r.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise bad_request(f"logit_bias: token id {bad[0]} out of range [0, {vocab})", "logit_bias")
+        try:
+            guide_type, guide = r.guide(response_format)
+        except ValueError as e:
+            raise bad_request(str(e), "response_format") from None
+        gen = GenRequest(input_ids=ids, max_tokens=max_tokens,
+                         temperature=1.0 if r.temperature is None else r.temperature,
+                         top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
+                         seed=random.getrandbits(63) if r.seed is None else r.seed,  # OpenAI: no seed = random
+                         stop=list(r.stop or []), ignore_eos=r.ignore_eos, min_p=r.min_p,
+                         presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                         repetition_penalty=r.repetition_penalty, logit_bias=dict(r.logit_bias or {}),
+                         return_log_probs=want_lp or best_of > r.n, top_logprobs=top, num_return_sequences=best_of,
+                         guided_decoding_guide_type=guide_type, guided_decoding_guide=guide)
+        return gen, Shape(chat, r.n, best_of, want_lp, top)
 
     def chat_request(self, body) -> tuple:
         r = parse(ChatRequest, body)
@@ -149,7 +176,7 @@ class Frontend:
             raise bad_request(f"messages exceed {self.cfg.max_prompt_chars} characters", "messages")
         text = self.model.tok.apply_chat_template(msgs, add_generation_prompt=True)
         mt = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
-        return r, self._gen(r, self._tokens(text, "messages"), mt, "messages")
+        return (r, *self._gen(r, self._tokens(text, "messages"), mt, "messages", True, r.response_format))
 
     def completion_request(self, body) -> tuple:
         r = parse(CompletionRequest, body)
@@ -160,44 +187,70 @@ class Frontend:
                 raise bad_request("only one prompt per request is supported", "prompt")
             p = p[0]
         ids = self._tokens(p, "prompt") if isinstance(p, str) else [int(x) for x in p]
-        return r, self._gen(r, ids, r.max_tokens, "prompt")
+        if r.echo and r.logprobs is not None:
+            raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
+        gen, shape = self._gen(r, ids, r.max_tokens, "prompt", False)
+        if r.echo:
+            shape.echo = p if isinstance(p, str) else self.model.tok.decode(ids)
+        return r, gen, shape
 
     # ---- responses ------------------------------------------------------------------------------
-    async def collect(self, gen: GenRequest):
-        text, n, reason = [], 0, None
+    async def collect(self, gen: GenRequest, shape: "Shape") -> Tuple[List[Choice], Usage]:
+        choices = {i: Choice(i) for i in range(shape.best_of)}
+        n = 0
         async for d in self.llm.generate(gen):
-            text.append(d.text)
+            c = choices.get(d.index)
+            if c is None:
+                raise ApiError(500, f"llm answered for choice {d.index} of {shape.best_of}", "server_error",
+                               code="internal_error")
+            c.add(d.text, d.token_ids, d.logprobs, d.finish_reason)
             n += len(d.token_ids)
-            reason = d.finish_reason or reason
-        return "".join(text), Usage(len(gen.input_ids), n), reason or "stop"
+        out = list(choices.values())
+        for c in out:
+            c.finish_reason = c.finish_reason or "stop"
+        if shape.best_of > shape.n:
+            out = best(out, shape.n)
+        return out, Usage(len(gen.input_ids), n)
 
-    def chat_body(self, rid, text, usage, reason) -> dict:
+    def _logprobs(self, shape: "Shape", ids, lps, offset: int = 0) -> Optional[dict]:
+        if not shape.want_logprobs:
+            return None
+        if shape.chat:
+            return chat_logprobs(self.texts, ids, lps, shape.top)
+        return completion_logprobs(self.texts, ids, lps, shape.top, offset)
+
+    def chat_body(self, rid, choices: List[Choice], usage, shape: "Shape") -> dict:
         return {"id": rid, "object": "chat.completion", "created": now(), "model": self.cfg.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": reason}],
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+                             "logprobs": self._logprobs(shape, c.ids, c.logprobs), "finish_reason": c.finish_reason}
+                            for c in choices],
                 "usage": usage.as_dict()}
 
-    def completion_body(self, rid, text, usage, reason) -> dict:
+    def completion_body(self, rid, choices: List[Choice], usage, shape: "Shape") -> dict:
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.cfg.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
+                "choices": [{"index": c.index, "text": shape.echo + "".join(c.text),
+                             "logprobs": self._logprobs(shape, c.ids, c.logprobs, len(shape.echo)),
+                             "finish_reason": c.finish_reason} for c in choices],
                 "usage": usage.as_dict()}
 
-    async def sse(self, chat: bool, rid: str, r, gen: GenRequest, first: Delta,
+    async def sse(self, rid: str, r, gen: GenRequest, shape: "Shape", first: Delta,
                   rest: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
         """SSE chunks; `first` was already received (so errors before it became HTTP statuses)."""
+        chat = shape.chat
         created, model = now(), self.cfg.model_name
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(r.stream_options and r.stream_options.include_usage)
         usage = Usage(len(gen.input_ids), 0)
+        offsets = {i: len(shape.echo) for i in range(shape.n)}
 
-        def chunk(text: Optional[str], reason: Optional[str], role: bool = False) -> dict:
+        def chunk(i: int, text: Optional[str], reason: Optional[str], role: bool = False, logprobs=None) -> dict:
             if chat:
                 delta = {} if text is None else {"content": text}
                 if role:
                     delta = {"role": "assistant", "content": text or ""}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                choice = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             c = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if include_usage:
                 c["usage"] = None
@@ -205,15 +258,25 @@ class Frontend:
 
         try:
             d = first
-            role = chat
+            started: set = set()
+            finished: set = set()
+            if shape.echo:
+                for i in range(shape.n):
+                    yield _sse(chunk(i, shape.echo, None))
             while True:
                 usage.completion_tokens += len(d.token_ids)
-                if d.text or role:
-                    yield _sse(chunk(d.text, None, role=role))
-                    role = False
+                i = d.index
+                role = chat and i not in started
+                lp = self._logprobs(shape, d.token_ids, d.logprobs, offsets.get(i, 0)) if d.token_ids else None
+                if d.text or role or lp:
+                    yield _sse(chunk(i, d.text, None, role=role, logprobs=lp))
+                    started.add(i)
+                offsets[i] = offsets.get(i, 0) + len(d.text)
                 if d.finish_reason:
-                    yield _sse(chunk(None if chat else "", d.finish_reason))
-                    break
+                    yield _sse(chunk(i, None if chat else "", d.finish_reason))
+                    finished.add(i)
+                    if len(finished) >= shape.n:
+                        break
                 d = await rest.__anext__()
             if include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
@@ -227,6 +290,18 @@ class Frontend:
                                   "param": None, "code": "upstream_error"}})
         finally:
             await rest.aclose()  # on client disconnect this cancels the Triton request -> decode frees it
+
+
+@dataclass
+class Shape:
+    """How a request's answer is shaped: chat or completions, n choices (best_of generated), logprobs asked,
+    top-N alternatives, the echoed prompt (completions echo=true)."""
+    chat: bool
+    n: int
+    best_of: int
+    want_logprobs: bool
+    top: int
+    echo: str = ""
 
 
 def create_app(cfg: FrontendConfig) -> FastAPI:
@@ -289,20 +364,20 @@ def create_app(cfg: FrontendConfig) -> FastAPI:
     async def serve(request: Request, chat: bool):
         rid = new_id("chatcmpl" if chat else "cmpl")
         body = await read_json(request)
-        r, gen = fe.chat_request(body) if chat else fe.completion_request(body)
+        r, gen, shape = fe.chat_request(body) if chat else fe.completion_request(body)
         gen.request_id = rid
         if not r.stream:
-            task = asyncio.ensure_future(fe.collect(gen))
+            task = asyncio.ensure_future(fe.collect(gen, shape))
             watcher = asyncio.ensure_future(watch_disconnect(request, task))
             try:
-                text, usage, reason = await task
+                choices, usage = await task
             except asyncio.CancelledError:
                 return JSONResponse({}, status_code=499)  # nobody is listening any more
             except ApiError as e:
                 return err_response(e, rid)
             finally:
                 watcher.cancel()
-            out = (fe.chat_body if chat else fe.completion_body)(rid, text, usage, reason)
+            out = (fe.chat_body if chat else fe.completion_body)(rid, choices, usage, shape)
             return JSONResponse(out, headers={"X-Request-Id": rid})
         agen = fe.llm.generate(gen)
         try:
@@ -310,7 +385,7 @@ def create_app(cfg: FrontendConfig) -> FastAPI:
         except ApiError as e:
             await agen.aclose()
             return err_response(e, rid)
-        return StreamingResponse(fe.sse(chat, rid, r, gen, first, agen), media_type="text/event-stream",
+        return StreamingResponse(fe.sse(rid, r, gen, shape, first, agen), media_type="text/event-stream",
                                  headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")

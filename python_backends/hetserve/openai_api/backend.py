@@ -20,6 +20,7 @@ import grpc
 
 from .. import errors, retry
 from ..client import build_inputs
+from ..sampling import TokenLogprobs
 from .schema import ApiError, GenRequest
 
 log = logging.getLogger("hetserve.openai")
@@ -30,6 +31,8 @@ class Delta:
     text: str
     token_ids: List[int]
     finish_reason: Optional[str]
+    index: int = 0                              # the choice (llm's sequence_index)
+    logprobs: Optional[TokenLogprobs] = None    # aligned with token_ids, when asked
 
 
 def api_error(err: "errors.HetserveError") -> ApiError:
@@ -131,10 +134,15 @@ class TritonLLM:
                     txt = result.as_numpy("text_output")
                     ids = result.as_numpy("token_ids")
                     fr = result.as_numpy("finish_reason")
+                    si = result.as_numpy("sequence_index")
+                    lp = result.as_numpy("output_log_probs")
                     yield Delta(txt.reshape(-1)[0].decode("utf-8", "replace") if txt is not None and txt.size else "",
                                 [] if ids is None else [int(i) for i in ids.reshape(-1)],
                                 (fr.reshape(-1)[0].decode() or None) if fr is not None and fr.size else
-                                ("stop" if final else None))
+                                ("stop" if final and req.num_return_sequences == 1 else None),
+                                int(si.reshape(-1)[0]) if si is not None and si.size else 0,
+                                None if lp is None else TokenLogprobs.from_arrays(
+                                    lp, result.as_numpy("top_logprob_ids"), result.as_numpy("top_logprob_values")))
                     if final:
                         finished = True
                         return

@@ -1,20 +1,23 @@
 """OpenAI request schema (pydantic) and the typed generation request the frontend sends to `llm`.
 
-Only what we serve is accepted; a field we cannot honour (n > 1, logprobs, tools, penalties != 0, non-text
-response formats) is a 400 naming the field rather than being silently ignored. Unknown extra fields are
+Only what we serve is accepted; a field we cannot honour (README "OpenAI fields": completions `suffix`, echo with
+logprobs, streamed best_of) is a 400 naming the field rather than being silently ignored. Unknown extra fields are
 ignored, as OpenAI-compatible servers do (clients and benchmark tools send vendor extensions).
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP = 4  # OpenAI's own limit on stop sequences
 MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's own limit
+MAX_CHOICES = 16  # n and best_of (hetserve.sampling.MAX_CHOICES: each choice holds a decode batch row)
 
 
 class ApiError(Exception):
@@ -74,23 +77,24 @@ class _Common(BaseModel):
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
-    seed: Optional[int] = Field(default=None, ge=0, lt=2 ** 64)
+    seed: Optional[int] = Field(default=None, ge=0, lt=2 ** 63)
     stop: Optional[Union[str, List[str]]] = None
-    n: Optional[int] = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     user: Optional[str] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logprobs: Optional[Any] = None
-    # extensions (vLLM / TensorRT-LLM spelling), used by benchmark tools to fix output lengths
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: Optional[Dict[str, float]] = None
+    # extensions (vLLM / TensorRT-LLM spelling), used by benchmark tools to fix output lengths and by clients
     top_k: Optional[int] = Field(default=None, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
+    # structured output, vLLM's spellings (response_format is the OpenAI way)
+    guided_json: Optional[Union[str, Dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
 
     @field_validator("stop")
     @classmethod
@@ -102,19 +106,49 @@ class _Common(BaseModel):
             raise ValueError(f"stop sequences are limited to {MAX_STOP_CHARS} characters")
         return [s for s in stops if s]
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _penalty(cls, v):
-        if v not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported (only 0)")
-        return v
+    def _bias(cls, v):
+        if not v:
+            return {}
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        out = {}
+        for k, b in v.items():
+            if not str(k).isdigit():
+                raise ValueError(f"keys are token ids, got {k!r}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"token {k}: bias {b} outside [-100, 100]")
+            out[int(k)] = float(b)
+        return out
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return v
+    def guide(self, response_format: Optional[Dict[str, Any]] = None) -> Tuple[str, str]:
+        """(guided_decoding_guide_type, guide) of the request's structured-output fields, ("", "") for none;
+        more than one constraint is refused."""
+        found: List[Tuple[str, str, str]] = []
+        rf = response_format or {}
+        if rf.get("type") == "json_object":
+            found.append(("response_format", "json", ""))
+        elif rf.get("type") == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise ValueError("response_format.json_schema must be an object with a 'schema' object")
+            found.append(("response_format", "json_schema", json.dumps(js.get("schema") or {"type": "object"})))
+        elif rf.get("type") not in (None, "text"):
+            raise ValueError(f"response_format type {rf.get('type')!r}: use text, json_object or json_schema")
+        so = dict(self.structured_outputs or {})
+        for name, kind, val in (("guided_json", "json_schema", self.guided_json or so.get("json")),
+                                ("guided_regex", "regex", self.guided_regex or so.get("regex")),
+                                ("guided_choice", "choice", self.guided_choice or so.get("choice")),
+                                ("guided_grammar", "ebnf_grammar", self.guided_grammar or so.get("grammar"))):
+            if val:
+                text = val if isinstance(val, str) and kind != "choice" else json.dumps(val)
+                if kind == "choice" and not (isinstance(val, list) and all(isinstance(c, str) for c in val)):
+                    raise ValueError("guided_choice must be a list of strings")
+                found.append((name, kind, text))
+        if len(found) > 1:
+            raise ValueError(f"one structured-output constraint per request, got {[f[0] for f in found]}")
+        return (found[0][1], found[0][2]) if found else ("", "")
 
 
 class ChatRequest(_Common):
@@ -122,6 +156,8 @@ class ChatRequest(_Common):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     tools: Optional[List[Any]] = None
     response_format: Optional[Dict[str, Any]] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
 
     @field_validator("tools")
     @classmethod
@@ -130,31 +166,19 @@ class ChatRequest(_Common):
             raise ValueError("tools are not supported")
         return v
 
-    @field_validator("response_format")
-    @classmethod
-    def _fmt(cls, v):
-        if v and v.get("type") not in (None, "text"):
-            raise ValueError("only response_format type 'text' is supported")
-        return v
-
 
 class CompletionRequest(_Common):
     prompt: Union[str, List[int], List[str], List[List[int]]]
     echo: bool = False
     suffix: Optional[str] = None
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)  # legacy: the number of top alternatives
+    best_of: Optional[int] = Field(default=None, ge=1, le=MAX_CHOICES)
 
     @field_validator("suffix")
     @classmethod
     def _suffix(cls, v):
         if v:
-            raise ValueError("suffix is not supported")
+            raise ValueError("suffix is not supported (no fill-in-the-middle template is known for this model)")
         return v
 
 
@@ -173,7 +197,8 @@ def parse(model_cls, body: Any):
 
 @dataclass
 class GenRequest:
-    """What the frontend asks of `llm`: prompt token ids + sampling (llm validates the ranges again)."""
+    """What the frontend asks of `llm`: prompt token ids + sampling (llm validates the ranges again); the field
+    names are llm's inputs (hetserve.schema)."""
     input_ids: List[int]
     max_tokens: int
     temperature: float = 0.0
@@ -183,13 +208,34 @@ class GenRequest:
     stop: List[str] = field(default_factory=list)
     ignore_eos: bool = False
     request_id: str = ""
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Dict[int, float] = field(default_factory=dict)
+    return_log_probs: bool = False
+    top_logprobs: int = 0
+    num_return_sequences: int = 1
+    guided_decoding_guide_type: str = ""
+    guided_decoding_guide: str = ""
 
     def params(self) -> dict:
-        """Keyword arguments for hetserve.client.build_inputs."""
+        """Keyword arguments for hetserve.client.build_inputs (inputs at their defaults left out)."""
         p = dict(input_ids=self.input_ids, max_tokens=self.max_tokens, temperature=self.temperature,
                  top_p=self.top_p, top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos, stream=True)
         if self.stop:
             p["stop"] = self.stop
+        for name, default in (("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0), ("return_log_probs", False), ("top_logprobs", 0),
+                              ("num_return_sequences", 1)):
+            if getattr(self, name) != default:
+                p[name] = getattr(self, name)
+        if self.logit_bias:
+            p["logit_bias_ids"] = list(self.logit_bias)
+            p["logit_bias_values"] = list(self.logit_bias.values())
+        if self.guided_decoding_guide_type:
+            p["guided_decoding_guide_type"] = self.guided_decoding_guide_type
+            p["guided_decoding_guide"] = self.guided_decoding_guide
         return p
 
 

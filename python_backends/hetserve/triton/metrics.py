@@ -20,6 +20,8 @@ useful, `model`. Names are part of the deployment contract (alerts, Grafana, tes
   hetserve_kv_prefix_hits_total / hetserve_kv_prefix_lookups_total  counters of the prefill prefix cache
   hetserve_batch_size              gauge      sequences in the last decode step
   hetserve_prefill_batch_size      histogram  prompts per prefill forward (stages/prefill_batch.py)
+  hetserve_prefill_requests_total  counter    prompts prefilled (an n > 1 request counts once)
+  hetserve_prefill_choices_total   counter    first tokens sampled for n > 1 requests (n each)
   hetserve_queue_depth             gauge      sequences waiting for admission
   hetserve_breaker_state           gauge      0 closed, 1 half-open, 2 open
   hetserve_snapshot_age_seconds    gauge      age of the oldest in-flight KV snapshot
@@ -67,6 +69,9 @@ _SPECS = {
     "hetserve_kv_prefix_lookups_total": ("counter", "Prefill prefix-cache lookups", None),
     "hetserve_kv_prefix_hit_tokens_total": ("counter", "Prompt tokens served from the prefill prefix cache", None),
     "hetserve_batch_size": ("gauge", "Sequences in the last decode step", None),
+    "hetserve_prefill_requests_total": ("counter", "Prompts prefilled (a request for n choices counts once)", None),
+    "hetserve_prefill_choices_total": ("counter", "First tokens sampled for requests of n > 1 choices (n each)",
+                                       None),
     "hetserve_prefill_batch_size": ("histogram", "Prompts per prefill forward (batched prefill)",
                                     [1, 2, 4, 8, 16, 32, 64]),
     "hetserve_queue_depth": ("gauge", "Sequences waiting for decode admission", None),

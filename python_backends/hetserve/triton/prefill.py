@@ -68,6 +68,9 @@ class _Reply:
         self.sender, self.request_id = sender, request_id
 
     def done(self, o: PrefillOutcome) -> None:
+        REGISTRY.inc("hetserve_prefill_requests_total")
+        if len(o.first_tokens) > 1:
+            REGISTRY.inc("hetserve_prefill_choices_total", len(o.first_tokens))
         extra = []
         if o.first_logprobs:
             lps = TokenLogprobs()
@@ -105,6 +108,8 @@ class TritonPythonModel:
         for n in ("hetserve_kv_prefix_hits_total", "hetserve_kv_prefix_lookups_total"):
             REGISTRY.declare(n)
         REGISTRY.declare("hetserve_prefill_batch_size")
+        for n in ("hetserve_prefill_requests_total", "hetserve_prefill_choices_total"):
+            REGISTRY.declare(n)
         defaults = PrefillDefaults(config.get("HETSERVE_DECODE_URL").split(",")[0], config.get("HETSERVE_KV_TRANSPORT"),
                                    config.get("HETSERVE_KV_DTYPE"))
         self.stage = PrefillStage(engine, KVSender(on_fallback=self._record_fallback), defaults,
