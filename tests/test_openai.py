@@ -129,7 +129,7 @@ def test_seeded_sampling_is_reproducible(client):
 
 
 BAD = [
-    (dict(messages=[{"role": "user", "content": "hi"}], n=2), "n"),
+    (dict(messages=[{"role": "user", "content": "hi"}], n=17), "n"),
     (dict(messages=[{"role": "user", "content": "hi"}], temperature=3.0), "temperature"),
     (dict(messages=[{"role": "user", "content": "hi"}], max_tokens=0), "max_tokens"),
     (dict(messages=[{"role": "user", "content": "hi"}], max_tokens=10 ** 6), "max_tokens"),
@@ -138,7 +138,8 @@ BAD = [
     (dict(messages=[]), "messages"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "role"),
     (dict(messages=[{"role": "user", "content": "x" * 70000}]), "characters"),
-    (dict(messages=[{"role": "user", "content": "hi"}], logprobs=True), "logprobs"),
+    (dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=2), "top_logprobs"),
+    (dict(messages=[{"role": "user", "content": "hi"}], response_format={"type": "yaml"}), "response_format"),
 ]
 
 
