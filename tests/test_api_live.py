@@ -82,6 +82,30 @@ def test_completions_logprobs_and_echo(client):
     assert e.choices[0].text == "The capital of France is" + r.choices[0].text
 
 
+def test_echo_logprobs_score_the_prompt_on_the_prefill_side(client, tokenizer, fp32):
+    """What lm-eval's loglikelihood tasks send: echo + logprobs; the prompt's tokens get the FP32 engine's
+    logprobs (the first token none), then the answer's; streamed the same."""
+    from hetserve.sampling import log_softmax
+
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    ids = tokenizer.encode(prompt)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, len(ids)):
+        logits, _, _ = fp32.prefill(ids[:j])
+        ref = log_softmax(logits)
+        assert abs(lp.token_logprobs[j] - ref[ids[j]]) < 2e-3, f"prompt token {j}"
+        assert len(lp.top_logprobs[j]) == 2 and max(lp.top_logprobs[j].values()) >= lp.token_logprobs[j] - 1e-6
+    assert "".join(lp.tokens[:len(ids)]) == prompt and lp.text_offset[len(ids)] == len(prompt)
+    streamed = [c for ch in client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                                      echo=True, logprobs=2, stream=True)
+                for c in ch.choices if c.logprobs]
+    toks = [t for c in streamed for t in c.logprobs.tokens]
+    vals = [v for c in streamed for v in c.logprobs.token_logprobs]
+    assert toks == lp.tokens and vals[0] is None and np.allclose(vals[1:], lp.token_logprobs[1:], atol=1e-5)
+
+
 def test_n_choices_come_from_one_prefill_and_repeat_with_a_seed(client, topology):
     def prefills():  # base + 2: the prefill server's metrics port
         return total(scrape(topology.base_port + 2), "hetserve_prefill_requests_total")

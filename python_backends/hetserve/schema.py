@@ -82,6 +82,8 @@ _INPUTS = [
     Input("guided_decoding_guide", "STRING", SCALAR, doc="the schema / regex / grammar / JSON list of choices"),
     Input("sequence_index", "INT32", SCALAR, _SP.choice, (0, MAX_CHOICES - 1),
           doc="which choice of an n > 1 request this sequence is (keys its random stream)"),
+    Input("return_prompt_log_probs", "BOOL", SCALAR, False,
+          doc="outputs prompt_log_probs (+ prompt_top_logprob_*): each prompt token's logprob given the ones before"),
     Input("num_return_sequences", "INT32", SCALAR, 1, (1, MAX_CHOICES),
           doc="n choices from one prefill: the KV is sent once and forked on the decode server"),
     # routing (llm, prefill)
@@ -124,14 +126,16 @@ PROMPT = ("text_input", "input_ids", "apply_chat_template")
 
 # model -> (its inputs, the required ones); every other input of a model is optional
 MODELS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
-    "llm": (PROMPT + SAMPLING + ("num_return_sequences", "transport", "kv_dtype", "decode_precision", "stream"), ()),
+    "llm": (PROMPT + SAMPLING + ("num_return_sequences", "return_prompt_log_probs", "transport", "kv_dtype",
+                                 "decode_precision", "stream"), ()),
     "aggregated": (PROMPT + SAMPLING, ()),
     "ensemble": (("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed"),
                  ("text_input",)),
     "preprocess": (("text_input", "apply_chat_template"), ("text_input",)),
     "postprocess": (("output_ids", "token_ids"), ("output_ids",)),
     "prefill": (("input_ids", "request_id", "decode_url", "internal_token", "transport",
-                 "kv_dtype", "skip_transfer", "prefix_cache", "num_return_sequences") + SAMPLING, ()),
+                 "kv_dtype", "skip_transfer", "prefix_cache", "num_return_sequences", "return_prompt_log_probs")
+                + SAMPLING, ()),
     "decode": (("op", "request_id", "kv_header", "kv_payload", "ingest_token", "input_ids",
                 "output_ids", "precision", "kv_sent", "kv_key", "kv_shares") + SAMPLING + CHOICE, ()),
     "kv_ingest": (("op", "request_id", "kv_header", "kv_payload", "kv_remote"), ()),

@@ -20,7 +20,7 @@ import logging
 import random
 import re
 import signal
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import AsyncIterator, List, Optional, Tuple
 
@@ -30,8 +30,9 @@ from fastapi.responses import ORJSONResponse as JSONResponse  # orjson: the resp
 from fastapi.responses import StreamingResponse
 
 from .. import config
+from ..sampling import TokenLogprobs
 from .backend import Delta, TritonLLM
-from .responses import Choice, TokenTexts, best, chat_logprobs, completion_logprobs
+from .responses import Choice, TokenTexts, best, chat_logprobs, completion_logprobs, echo_logprobs
 from .schema import ApiError, ChatRequest, CompletionRequest, GenRequest, Usage, bad_request, new_id, now, parse
 
 log = logging.getLogger("hetserve.openai")
@@ -187,11 +188,11 @@ class Frontend:
                 raise bad_request("only one prompt per request is supported", "prompt")
             p = p[0]
         ids = self._tokens(p, "prompt") if isinstance(p, str) else [int(x) for x in p]
-        if r.echo and r.logprobs is not None:
-            raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
         gen, shape = self._gen(r, ids, r.max_tokens, "prompt", False)
         if r.echo:
             shape.echo = p if isinstance(p, str) else self.model.tok.decode(ids)
+            shape.prompt_ids = ids
+            gen.return_prompt_log_probs = shape.want_logprobs
         return r, gen, shape
 
     # ---- responses ------------------------------------------------------------------------------
@@ -205,6 +206,7 @@ class Frontend:
                                code="internal_error")
             c.add(d.text, d.token_ids, d.logprobs, d.finish_reason)
             n += len(d.token_ids)
+            shape.prompt_logprobs = d.prompt_logprobs or shape.prompt_logprobs
         out = list(choices.values())
         for c in out:
             c.finish_reason = c.finish_reason or "stop"
@@ -226,10 +228,17 @@ class Frontend:
                             for c in choices],
                 "usage": usage.as_dict()}
 
+    def _echo_logprobs(self, shape: "Shape", gen: Optional[dict]) -> Optional[dict]:
+        """Completions echo + logprobs: the prompt's tokens (the first without a logprob) lead the answer's."""
+        if gen is None or not shape.echo:
+            return gen
+        return echo_logprobs(self.texts, shape.prompt_ids, shape.prompt_logprobs, shape.top, gen)
+
     def completion_body(self, rid, choices: List[Choice], usage, shape: "Shape") -> dict:
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.cfg.model_name,
                 "choices": [{"index": c.index, "text": shape.echo + "".join(c.text),
-                             "logprobs": self._logprobs(shape, c.ids, c.logprobs, len(shape.echo)),
+                             "logprobs": self._echo_logprobs(shape, self._logprobs(shape, c.ids, c.logprobs,
+                                                                                   len(shape.echo))),
                              "finish_reason": c.finish_reason} for c in choices],
                 "usage": usage.as_dict()}
 
@@ -261,8 +270,12 @@ class Frontend:
             started: set = set()
             finished: set = set()
             if shape.echo:
+                shape.prompt_logprobs = first.prompt_logprobs
+                lp = echo_logprobs(self.texts, shape.prompt_ids, shape.prompt_logprobs, shape.top, {
+                    "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}) \
+                    if shape.want_logprobs else None
                 for i in range(shape.n):
-                    yield _sse(chunk(i, shape.echo, None))
+                    yield _sse(chunk(i, shape.echo, None, logprobs=lp))
             while True:
                 usage.completion_tokens += len(d.token_ids)
                 i = d.index
@@ -302,6 +315,8 @@ class Shape:
     want_logprobs: bool
     top: int
     echo: str = ""
+    prompt_ids: List[int] = field(default_factory=list)  # echo: the prompt's tokens (their logprobs lead)
+    prompt_logprobs: Optional[TokenLogprobs] = None  # echo + logprobs, from the first response
 
 
 def create_app(cfg: FrontendConfig) -> FastAPI:

@@ -33,6 +33,7 @@ class Delta:
     finish_reason: Optional[str]
     index: int = 0                              # the choice (llm's sequence_index)
     logprobs: Optional[TokenLogprobs] = None    # aligned with token_ids, when asked
+    prompt_logprobs: Optional[TokenLogprobs] = None  # prompt tokens 1.. (first response, when asked)
 
 
 def api_error(err: "errors.HetserveError") -> ApiError:
@@ -136,13 +137,17 @@ class TritonLLM:
                     fr = result.as_numpy("finish_reason")
                     si = result.as_numpy("sequence_index")
                     lp = result.as_numpy("output_log_probs")
+                    plp = result.as_numpy("prompt_log_probs")
                     yield Delta(txt.reshape(-1)[0].decode("utf-8", "replace") if txt is not None and txt.size else "",
                                 [] if ids is None else [int(i) for i in ids.reshape(-1)],
                                 (fr.reshape(-1)[0].decode() or None) if fr is not None and fr.size else
                                 ("stop" if final and req.num_return_sequences == 1 else None),
                                 int(si.reshape(-1)[0]) if si is not None and si.size else 0,
                                 None if lp is None else TokenLogprobs.from_arrays(
-                                    lp, result.as_numpy("top_logprob_ids"), result.as_numpy("top_logprob_values")))
+                                    lp, result.as_numpy("top_logprob_ids"), result.as_numpy("top_logprob_values")),
+                                None if plp is None else TokenLogprobs.from_arrays(
+                                    plp, result.as_numpy("prompt_top_logprob_ids"),
+                                    result.as_numpy("prompt_top_logprob_values")))
                     if final:
                         finished = True
                         return

@@ -58,6 +58,32 @@ def completion_logprobs(texts: TokenTexts, ids: List[int], lps: Optional[TokenLo
             "top_logprobs": tops if top else None, "text_offset": offsets}
 
 
+def echo_logprobs(texts: TokenTexts, prompt: List[int], plp: Optional[TokenLogprobs], top: int,
+                  gen: dict) -> dict:
+    """Completions echo + logprobs: the prompt tokens lead (the first has no logprob: None, as OpenAI), their
+    text offsets from 0, then the answer's (whose offsets already start after the echoed prompt)."""
+    tokens: List[str] = []
+    offsets: List[int] = []
+    lps: List[Optional[float]] = []
+    tops: List[Optional[Dict[str, float]]] = []
+    off = 0
+    for j, t in enumerate(prompt):
+        s = texts(t)
+        tokens.append(s)
+        offsets.append(off)
+        off += len(s)
+        k = j - 1  # plp covers prompt tokens 1..
+        if plp is None or not 0 <= k < len(plp):
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(plp.logprob[k])
+        tops.append({texts(a): v for a, v in zip(plp.top_ids[k][:top], plp.top_values[k][:top])})
+    return {"tokens": tokens + gen["tokens"], "token_logprobs": lps + gen["token_logprobs"],
+            "top_logprobs": (tops + gen["top_logprobs"]) if top else None,
+            "text_offset": offsets + gen["text_offset"]}
+
+
 @dataclass
 class Choice:
     """One choice being collected (non-streaming)."""

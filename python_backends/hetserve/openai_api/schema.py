@@ -1,7 +1,7 @@
 """OpenAI request schema (pydantic) and the typed generation request the frontend sends to `llm`.
 
-Only what we serve is accepted; a field we cannot honour (README "OpenAI fields": completions `suffix`, echo with
-logprobs, streamed best_of) is a 400 naming the field rather than being silently ignored. Unknown extra fields are
+Only what we serve is accepted; a field we cannot honour (README "OpenAI fields": completions `suffix`, streamed
+best_of) is a 400 naming the field rather than being silently ignored. Unknown extra fields are
 ignored, as OpenAI-compatible servers do (clients and benchmark tools send vendor extensions).
 """
 from __future__ import annotations
@@ -218,6 +218,7 @@ class GenRequest:
     num_return_sequences: int = 1
     guided_decoding_guide_type: str = ""
     guided_decoding_guide: str = ""
+    return_prompt_log_probs: bool = False
 
     def params(self) -> dict:
         """Keyword arguments for hetserve.client.build_inputs (inputs at their defaults left out)."""
@@ -227,7 +228,7 @@ class GenRequest:
             p["stop"] = self.stop
         for name, default in (("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("repetition_penalty", 1.0), ("return_log_probs", False), ("top_logprobs", 0),
-                              ("num_return_sequences", 1)):
+                              ("num_return_sequences", 1), ("return_prompt_log_probs", False)):
             if getattr(self, name) != default:
                 p[name] = getattr(self, name)
         if self.logit_bias:

@@ -108,6 +108,9 @@ class _GroupSink:
     def cancelled(self) -> bool:
         return self._g.cancelled()
 
+    def prompt_logprobs(self, lps) -> None:
+        self._s.prompt_logprobs(lps)
+
     def choice(self, i: int) -> TokenSink:
         return self._g.sink(i)
 
@@ -138,7 +141,7 @@ class Orchestrator:
             # the transport negotiated with this member (kv/transport); a fallback is counted + logged by the pool
             transport = self.pool.transport_for(member, req.transport)
             res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, member, transport,
-                                                  req.kv_dtype, n=req.n))
+                                                  req.kv_dtype, n=req.n, prompt_logprobs=req.prompt_logprobs))
             self.breaker.record(time.perf_counter() - t0)
             probe = False
             if not res.transfer_ok:
@@ -146,6 +149,8 @@ class Orchestrator:
                 self.metrics.inc(TRANSFER_FAILED_METRIC, reason="transfer_failed", transport=transport)
                 log.warning("request %s: prefill could not send the KV to %s over %s; decode recomputes it at "
                             "once", rid, member, transport)
+            if res.prompt_logprobs is not None:
+                sink.prompt_logprobs(res.prompt_logprobs)
             if req.n > 1:
                 self._choices(req, sink, res, rid, lease)
                 return

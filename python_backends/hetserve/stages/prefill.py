@@ -14,17 +14,38 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
 
 from ..bounded import BoundedExecutor
+from ..engines.feeds import causal_mask
 from ..errors import RequestError
 from ..kv import wire
 from ..kv.transport import NAMES as TRANSPORTS
 from ..kv.transport import TransferTimeout, TransportUnavailable, spec
-from ..sampling import MAX_CHOICES, MatcherFactory, SamplingParams, TokenLogprobs, TokenSampler
+from ..sampling import MAX_CHOICES, MatcherFactory, SamplingParams, TokenLogprobs, TokenSampler, token_logprobs
 from .prefill_batch import BatchConfig, PrefillBatcher
 
 log = logging.getLogger("hetserve.prefill")
+MAX_PROMPT_LOGPROB_TOKENS = 8192  # prompt logprobs cost a second forward over the prompt: bounded
+
+
+def prompt_logprobs(scorer, ids: Sequence[int], n_top: int, chunk: int = 256) -> TokenLogprobs:
+    """Logprobs of prompt tokens 1.. given the ones before (what `echo` + `logprobs` return; token 0 has none),
+    from `scorer` (engines.runtime.Engine opened with score_view: every position's logits), chunk by chunk over
+    the growing past so the logits held are [chunk, vocab], never [prompt, vocab]."""
+    out = TokenLogprobs()
+    pk = pv = scorer.empty_past(1)
+    for s in range(0, len(ids) - 1, chunk):
+        e = min(s + chunk, len(ids) - 1)
+        T, P = e - s, int(pk.shape[3])
+        lo, k, v = scorer.score(np.asarray([ids[s:e]]), np.arange(P, P + T)[None], causal_mask([P], [T], P, T),
+                                pk, pv, np.arange(T))
+        for j in range(T):
+            out.extend(token_logprobs(lo[j], int(ids[s + j + 1]), n_top))
+        pk, pv = np.concatenate([pk, k], axis=3), np.concatenate([pv, v], axis=3)
+    return out
 
 
 @dataclass
@@ -39,6 +60,7 @@ class PrefillCall:
     skip_transfer: bool = False
     use_prefix: bool = True
     n: int = 1  # choices: one first token each, sampled from the one prefill (the KV is sent once)
+    prompt_logprobs: bool = False  # also the logprobs of the prompt's tokens (echo + logprobs)
 
 
 @dataclass
@@ -53,6 +75,7 @@ class PrefillOutcome:
     transport_used: str      # the requested one, grpc after a counted fallback, "none" when skipped
     first_tokens: List[int] = field(default_factory=list)  # one per choice (first_token is [0])
     first_logprobs: List[TokenLogprobs] = field(default_factory=list)  # per choice, when the request asks
+    prompt_logprobs: Optional[TokenLogprobs] = None  # of prompt tokens 1.., when asked
 
 
 class PrefillReply(Protocol):
@@ -102,9 +125,11 @@ class PrefillStage:
     def __init__(self, engine, sender: Sender, defaults: PrefillDefaults, batch: BatchConfig,
                  metrics: TransferMetrics, prefix=None, on_forward: Optional[Callable[[Any, float], None]] = None,
                  classify_failure: Callable[[BaseException], str] = lambda e: "refused", start: bool = True,
-                 send_threads: int = 0, matcher_factory: Optional[MatcherFactory] = None):
+                 send_threads: int = 0, matcher_factory: Optional[MatcherFactory] = None,
+                 scorer: Optional[Callable[[], Any]] = None):
         self.engine, self.sender, self.defaults, self.metrics = engine, sender, defaults, metrics
         self.matcher_factory = matcher_factory  # structured output (hetserve.structured); None: refused
+        self.scorer = scorer  # () -> an engine with every position's logits (prompt logprobs); None: refused
         self.classify_failure = classify_failure  # exception -> the `reason` label of a failed transfer
         self._unavailable: Dict[str, str] = {}  # transport -> why it cannot run here ('' = it can), asked once
         # bounded like the batcher: at most max_queue finished prompts wait for their send
@@ -130,6 +155,11 @@ class PrefillStage:
         call.params.check_vocab(self.engine.config.vocab_size)
         if call.params.guide_type and self.matcher_factory is None:
             raise RequestError("structured output (guided decoding) is not available on this prefill server")
+        if call.prompt_logprobs and self.scorer is None:
+            raise RequestError("prompt logprobs are not available on this prefill server")
+        if call.prompt_logprobs and len(call.prompt) > MAX_PROMPT_LOGPROB_TOKENS:
+            raise RequestError(f"prompt logprobs are served for prompts of up to {MAX_PROMPT_LOGPROB_TOKENS} tokens, "
+                               f"this one has {len(call.prompt)}")
         if not 1 <= call.n <= MAX_CHOICES:
             raise RequestError(f"num_return_sequences must be in [1, {MAX_CHOICES}], got {call.n}")
         kv_dtype = call.kv_dtype or self.defaults.kv_dtype
@@ -173,6 +203,8 @@ class PrefillStage:
         """The whole prompt has KV. Sample the first token, push the KV to decode, answer."""
         q: _Queued = job.handle
         firsts, lps = self.first_tokens(q.call, job.logits)
+        plp = (prompt_logprobs(self.scorer(), q.call.prompt, q.call.params.top_logprobs)
+               if q.call.prompt_logprobs and self.scorer is not None else None)
         t1 = time.perf_counter()
         info: Dict[str, Any] = {"transport": "none", "bytes": 0, "seconds": 0.0}
         ok = True
@@ -187,7 +219,8 @@ class PrefillStage:
                 ok = False
                 info = {"transport": q.transport, "bytes": 0, "seconds": time.perf_counter() - t1}
         q.reply.done(PrefillOutcome(firsts[0], len(job.ids), int(info["bytes"]), job.compute_s * 1e3,
-                                    info["seconds"] * 1e3, ok, int(job.hit), str(info["transport"]), firsts, lps))
+                                    info["seconds"] * 1e3, ok, int(job.hit), str(info["transport"]), firsts, lps,
+                                    plp))
 
     def first_tokens(self, call: PrefillCall, logits) -> Tuple[List[int], List[TokenLogprobs]]:
         """The first token of each choice (its own random stream, penalties over the prompt, grammar) and, when

@@ -23,6 +23,7 @@ class GenerateRequest:
     kv_dtype: Optional[str] = None   # KV wire dtype (None: prefill's default)
     request_id: str = ""             # the client's id (Triton request id), the prefix of the internal one
     n: int = 1                       # choices (num_return_sequences), all from one prefill
+    prompt_logprobs: bool = False    # return_prompt_log_probs
 
 
 @dataclass
@@ -34,6 +35,7 @@ class PrefillJob:
     transport: Optional[str] = None
     kv_dtype: Optional[str] = None
     n: int = 1                       # choices: the first token of each is sampled from the one prefill
+    prompt_logprobs: bool = False    # also the prompt tokens' logprobs
 
 
 @dataclass
@@ -43,6 +45,7 @@ class PrefillResult:
     transport_used: str = ""
     first_tokens: List[int] = field(default_factory=list)   # n > 1: one per choice (first_token = [0])
     first_logprobs: List[TokenLogprobs] = field(default_factory=list)  # per choice, when asked
+    prompt_logprobs: Optional[TokenLogprobs] = None  # of prompt tokens 1.., when asked
 
     def choice_first(self, i: int) -> int:
         return self.first_tokens[i] if self.first_tokens else self.first_token
@@ -105,6 +108,9 @@ class TokenSink(Protocol):
     def finish(self, reason: str) -> None: ...
 
     def cancelled(self) -> bool: ...
+
+    def prompt_logprobs(self, lps: TokenLogprobs) -> None:
+        """The prompt's logprobs, to go out with the first response."""
 
     def choice(self, i: int) -> "TokenSink":
         """The sink of choice i of an n > 1 request (choice(0) may be this one)."""

@@ -145,12 +145,14 @@ def sampling_tensors(p: SamplingParams) -> list:
     return schema.sampling_arrays(p)
 
 
-def logprob_tensors(lps: TokenLogprobs) -> list:
-    """output_log_probs [k], top_logprob_ids / top_logprob_values [k, N] of a run of k tokens."""
+LOGPROB_OUTPUTS = ("output_log_probs", "top_logprob_ids", "top_logprob_values")
+PROMPT_LOGPROB_OUTPUTS = ("prompt_log_probs", "prompt_top_logprob_ids", "prompt_top_logprob_values")
+
+
+def logprob_tensors(lps: TokenLogprobs, names=LOGPROB_OUTPUTS) -> list:
+    """(logprob [k], top ids [k, N], top logprobs [k, N]) of a run of k tokens as output tensors `names`."""
     n_top = len(lps.top_ids[0]) if lps.top_ids else 0
-    lp, ids, vals = lps.arrays(n_top)
-    return [pb_utils.Tensor("output_log_probs", lp), pb_utils.Tensor("top_logprob_ids", ids),
-            pb_utils.Tensor("top_logprob_values", vals)]
+    return [pb_utils.Tensor(n, a) for n, a in zip(names, lps.arrays(n_top))]
 
 
 def logprobs_of(get) -> Optional[TokenLogprobs]:

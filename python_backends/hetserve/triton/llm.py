@@ -81,10 +81,14 @@ class BlsPrefill:
                 ins.append(str_tensor(name, [value]))
         if job.n > 1:
             ins.append(pb_utils.Tensor("num_return_sequences", np.array([job.n], np.int32)))
+        if job.prompt_logprobs:
+            ins.append(pb_utils.Tensor("return_prompt_log_probs", np.array([True])))
         ins += [pb_utils.Tensor(n, a) for n, a in schema.sampling_arrays(job.params)]
         names = ["first_token", "transfer_ok", "transport_used"]
         if job.params.wants_logprobs:
             names += ["output_log_probs", "top_logprob_ids", "top_logprob_values"]
+        if job.prompt_logprobs:
+            names += ["prompt_log_probs", "prompt_top_logprob_ids", "prompt_top_logprob_values"]
         out = _bls("prefill", ins, names)
         used = out["transport_used"]
         firsts = [int(x) for x in out["first_token"].reshape(-1)]
@@ -94,9 +98,11 @@ class BlsPrefill:
                                                out["top_logprob_values"])
             lps = [TokenLogprobs([all_lp.logprob[i]], [all_lp.top_ids[i]], [all_lp.top_values[i]])
                    for i in range(len(all_lp))]
+        plp = (TokenLogprobs.from_arrays(out["prompt_log_probs"], out["prompt_top_logprob_ids"],
+                                         out["prompt_top_logprob_values"]) if job.prompt_logprobs else None)
         return PrefillResult(firsts[0], bool(out["transfer_ok"].reshape(-1)[0]),
                              bytes(used.reshape(-1)[0]).decode() if used is not None and used.size else "",
-                             first_tokens=firsts, first_logprobs=lps)
+                             first_tokens=firsts, first_logprobs=lps, prompt_logprobs=plp)
 
 
 class Sink(TextStreamer):
@@ -109,7 +115,10 @@ class Sink(TextStreamer):
     def choice(self, i: int) -> "Sink":
         if not isinstance(self.sender, ChoiceSender):
             raise RuntimeError("choice() of a sink made for one choice")
-        return Sink(self.sender, self.tok, self.params.for_choice(i), self.eos_ids, self.model, index=i)
+        s = Sink(self.sender, self.tok, self.params.for_choice(i), self.eos_ids, self.model, index=i)
+        if i == 0 and self._prompt_lps is not None:  # the prompt's logprobs go out once, with choice 0
+            s.prompt_logprobs(self._prompt_lps)
+        return s
 
 
 class WholeAnswer(Sink):
@@ -201,7 +210,8 @@ class TritonPythonModel:
             prompt = self._prompt_ids(t)
             schema.check_prompt(prompt, self.cfg, params.max_tokens)
             params.check_vocab(self.cfg.vocab_size)
-            self.stage.run(GenerateRequest(prompt, params, precision, transport, kv_dtype, r.request_id(), n=n),
+            self.stage.run(GenerateRequest(prompt, params, precision, transport, kv_dtype, r.request_id(), n=n,
+                                           prompt_logprobs=bool(schema.scalar(t, "return_prompt_log_probs", False))),
                            streamer, t0=streamer.t0)
         except Exception as e:
             log_if_ours(log, e, "llm", r.request_id())

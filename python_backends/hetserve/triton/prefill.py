@@ -37,6 +37,7 @@ from ..stages.prefill import PrefillCall, PrefillDefaults, PrefillOutcome, Prefi
 from ..stages.prefill_batch import BatchConfig
 from .common import (
     PREFILL_HOP,
+    PROMPT_LOGPROB_OUTPUTS,
     RequestError,
     check_prompt,
     engine_dir,
@@ -77,6 +78,8 @@ class _Reply:
             for lp in o.first_logprobs:
                 lps.extend(lp)
             extra = logprob_tensors(lps)
+        if o.prompt_logprobs is not None:
+            extra += logprob_tensors(o.prompt_logprobs, PROMPT_LOGPROB_OUTPUTS)
         self.sender.send(pb_utils.InferenceResponse(extra + [
             pb_utils.Tensor("first_token", np.array(o.first_tokens or [o.first_token], np.int32)),
             pb_utils.Tensor("prompt_len", np.array([o.prompt_len], np.int32)),
@@ -115,7 +118,10 @@ class TritonPythonModel:
         self.stage = PrefillStage(engine, KVSender(on_fallback=self._record_fallback), defaults,
                                   BatchConfig.from_env(), REGISTRY, prefix=self.prefix, on_forward=self._on_forward,
                                   classify_failure=transfer_failure_reason,
-                                  send_threads=int(config.get("HETSERVE_PREFILL_SEND_THREADS")))
+                                  send_threads=int(config.get("HETSERVE_PREFILL_SEND_THREADS")),
+                                  scorer=self._scorer)
+        self._scorer_engine = None
+        self._scorer_lock = threading.Lock()
         prepare = [t for t in to_prepare(config.get("HETSERVE_KV_PREPARE"), defaults.transport)
                    if not self.stage.unavailable_reason(t)]
         if prepare:  # in the background: the server is ready for grpc meanwhile; a send waits for its transport
@@ -126,6 +132,15 @@ class TritonPythonModel:
         self.admin = start_admin_channel(config.get("HETSERVE_PREFILL_ADMIN"), "prefill",
                                          {op: (lambda a, op=op: diagnostics.prefill_op(self.stage, op, a, tokenizer))
                                           for op in diagnostics.PREFILL_OPS})
+
+    def _scorer(self):
+        """The FP32 standard graph with every position's logits (prompt logprobs), opened on first use."""
+        with self._scorer_lock:
+            if self._scorer_engine is None:
+                from ..engines.runtime import Engine
+
+                self._scorer_engine = Engine(engine_dir(), "prefill_fp32", score_view=True)
+            return self._scorer_engine
 
     def _sample_metrics(self) -> dict:
         out = {"busy_seconds": self.busy.total(), "counters": {}}
@@ -170,7 +185,8 @@ class TritonPythonModel:
         call = PrefillCall(ids, params, schema.scalar(t, "request_id", None, str) or f"req-{time.time_ns()}",
                            schema.scalar(t, "transport", None, str), schema.scalar(t, "kv_dtype", None, str), url,
                            bool(schema.scalar(t, "skip_transfer", False)), bool(schema.scalar(t, "prefix_cache", True)),
-                           n=schema.scalar(t, "num_return_sequences", 1, int))
+                           n=schema.scalar(t, "num_return_sequences", 1, int),
+                           prompt_logprobs=bool(schema.scalar(t, "return_prompt_log_probs", False)))
         self.stage.submit(call, _Reply(sender, call.request_id))
 
     def execute(self, requests):

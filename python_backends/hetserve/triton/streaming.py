@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..sampling import SamplingParams, TokenLogprobs
 from ..tokenizer import IncrementalDetokenizer
-from .common import logprob_tensors, send_error, str_tensor
+from .common import PROMPT_LOGPROB_OUTPUTS, logprob_tensors, send_error, str_tensor
 from .metrics import REGISTRY
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -44,6 +44,7 @@ class TextStreamer:
         self.sender, self.tok, self.params, self.model = sender, tok, params, model
         self.index = index
         self.cum_logprob = 0.0
+        self._prompt_lps: Optional[TokenLogprobs] = None  # sent with the next response
         self.eos_ids = set(eos_ids)
         self.ids: List[int] = []
         self.text = ""  # stable text emitted so far
@@ -60,6 +61,9 @@ class TextStreamer:
             tensors.append(pb_utils.Tensor("sequence_index", np.array([self.index], np.int32)))
         if logprobs is not None and len(logprobs):
             tensors += logprob_tensors(logprobs)
+        if self._prompt_lps is not None:
+            tensors += logprob_tensors(self._prompt_lps, PROMPT_LOGPROB_OUTPUTS)
+            self._prompt_lps = None
         if final:
             tensors.append(str_tensor("finish_reason", [self.finish_reason or "stop"]))
             if self.params.wants_logprobs:
@@ -68,6 +72,9 @@ class TextStreamer:
         if final and self.ttft is not None and len(self.ids) > 1:
             tpot = (time.perf_counter() - self.t0 - self.ttft) / (len(self.ids) - 1)
             REGISTRY.observe("hetserve_tpot_seconds", tpot, model=self.model)
+
+    def prompt_logprobs(self, lps: TokenLogprobs) -> None:
+        self._prompt_lps = lps
 
     def push(self, new: List[int], reason: Optional[str] = None, logprobs: Optional[TokenLogprobs] = None) -> bool:
         if self.ttft is None and new:
