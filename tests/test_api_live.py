@@ -161,3 +161,21 @@ def test_logit_bias_and_penalties_change_the_tokens(client, tokenizer):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, presence_penalty=3.0)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"99999999": 1})
+
+
+def test_triton_llm_n_choices_and_logprobs_over_grpc(topology):
+    """The same on the Triton `llm` model (TensorRT-LLM's input/output names): num_return_sequences streams each
+    choice's responses with its sequence_index; return_log_probs adds output_log_probs per token."""
+    from hetserve.client import GenerationError, stream
+
+    got, lps, reasons = {}, {}, {}
+    for c in stream(topology.prefill_grpc, "Tell me a joke.", max_tokens=6, temperature=1.0, seed=5,
+                    num_return_sequences=3, return_log_probs=True):
+        got.setdefault(c.index, []).extend(c.token_ids)
+        lps.setdefault(c.index, []).extend(c.logprobs or [])
+        if c.finish_reason:
+            reasons[c.index] = c.finish_reason
+    assert sorted(got) == [0, 1, 2] and sorted(reasons) == [0, 1, 2]
+    assert all(len(lps[i]) == len(got[i]) and all(v <= 0 for v in lps[i]) for i in got)
+    with pytest.raises(GenerationError, match="stream=true"):
+        list(stream(topology.prefill_grpc, "x", max_tokens=2, num_return_sequences=2, stream=False))

@@ -67,6 +67,8 @@ class Chunk:
     token_ids: List[int]
     finish_reason: Optional[str]
     t: float
+    index: int = 0                 # sequence_index (num_return_sequences > 1)
+    logprobs: Optional[list] = None  # output_log_probs of token_ids (return_log_probs)
 
 
 @dataclass
@@ -141,9 +143,13 @@ def stream(url: str, prompt: Optional[str], model: str = "llm", timeout_s: float
             txt = r.as_numpy("text_output")
             ids = r.as_numpy("token_ids")
             fr = r.as_numpy("finish_reason")
+            si = r.as_numpy("sequence_index")
+            lp = r.as_numpy("output_log_probs")
             yield Chunk(txt.reshape(-1)[0].decode("utf-8") if txt is not None and txt.size else "",
                         [] if ids is None else [int(i) for i in ids.reshape(-1)],
-                        fr.reshape(-1)[0].decode() if fr is not None and fr.size else None, time.perf_counter())
+                        fr.reshape(-1)[0].decode() if fr is not None and fr.size else None, time.perf_counter(),
+                        int(si.reshape(-1)[0]) if si is not None and si.size else 0,
+                        None if lp is None else [float(x) for x in lp.reshape(-1)])
             if final:
                 return
     finally:
