@@ -10,9 +10,9 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_STOP = 4  # OpenAI's own limit on stop sequences
 MAX_STOP_CHARS = 256
@@ -43,17 +43,29 @@ class StreamOptions(BaseModel):
 
 
 class Message(BaseModel):
+    """One chat message. `tool_calls` (assistant) and `tool_call_id` (role tool) carry OpenAI tool use; the
+    frontend renders them through the checkpoint's chat template (hetserve.openai_api.tools.render_messages)."""
     model_config = ConfigDict(extra="ignore")
     role: str
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[List["ToolCall"]] = Field(default=None, max_length=128)
+    tool_call_id: Optional[str] = Field(default=None, max_length=256)
 
     @field_validator("role")
     @classmethod
     def _role(cls, v):
-        if v not in ("system", "developer", "user", "assistant"):
-            raise ValueError(f"unsupported role {v!r} (system, developer, user, assistant)")
+        if v not in ("system", "developer", "user", "assistant", "tool"):
+            raise ValueError(f"unsupported role {v!r} (system, developer, user, assistant, tool)")
         return v
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls are only allowed on assistant messages, not {self.role!r}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         """Content as text: a string, or the text parts of a content-part list (images etc. are refused)."""
@@ -67,6 +79,68 @@ class Message(BaseModel):
                 raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
             out.append(part["text"])
         return "".join(out)
+
+
+MAX_TOOLS = 128  # tools per request
+MAX_TOOL_SCHEMA_CHARS = 64 * 1024  # one function's `parameters` as JSON
+MAX_TOOLS_CHARS = 256 * 1024  # all tool definitions together as JSON
+_FUNCTION_NAME = r"^[a-zA-Z0-9_.\-]{1,64}$"  # OpenAI: a-z, A-Z, 0-9, underscores and dashes, at most 64 (and dots)
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: name, description, JSON-schema `parameters` (absent: takes no arguments)."""
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: Optional[str] = Field(default=None, max_length=MAX_TOOL_SCHEMA_CHARS)
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, v):
+        if v is not None and len(json.dumps(v)) > MAX_TOOL_SCHEMA_CHARS:
+            raise ValueError(f"parameters schema longer than {MAX_TOOL_SCHEMA_CHARS} characters as JSON")
+        return v
+
+
+class ToolDefinition(BaseModel):
+    """An entry of ChatRequest.tools: {"type": "function", "function": {...}}."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionCall(BaseModel):
+    """A call's function: name and arguments, a JSON string as OpenAI sends it (a JSON object is accepted too)."""
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=256)
+    arguments: Union[str, Dict[str, Any]] = "{}"
+
+
+class ToolCall(BaseModel):
+    """An entry of an assistant message's tool_calls."""
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(default="", max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=256)
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming one function: {"type": "function", "function": {"name": ...}}."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+# ChatRequest.tool_choice: "none" | "auto" | "required" | NamedToolChoice
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+Message.model_rebuild()
 
 
 class _Common(BaseModel):
