@@ -92,28 +92,56 @@ class Tokenizer:
     def id_to_token(self, i: int) -> Optional[str]:
         return self._tok.id_to_token(i)
 
-    def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = True,
+                            tools: Optional[List[dict]] = None, **extra) -> str:
+        """The checkpoint's chat template rendered as transformers renders it: `messages` (dicts; assistant ones may
+        carry `tool_calls` with `arguments` as a dict, role `tool` ones `tool_call_id`), `tools` (OpenAI tool
+        definitions, {"type": "function", "function": {...}}; None when there are none, as transformers passes
+        it) and any further template variables in `extra`. Build tool-use messages with
+        hetserve.openai_api.tools.render_messages, which knows which templates take them."""
         if not self.chat_template:
             # no template: plain concatenation of contents
-            return "\n".join(m["content"] for m in messages)
+            return "\n".join(m.get("content") or "" for m in messages)
         template, bos, eos = self._compiled_template()
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
-                               eos_token=eos)
+        return template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos, eos_token=eos, **extra)
 
     def _compiled_template(self):
         """The chat template compiled once (jinja compiles it to Python: ~1 ms, more than the render) with the
-        BOS/EOS strings it is given."""
+        BOS/EOS strings it is given. The environment is transformers' (chat_template_utils): undefined names are
+        falsy (templates test `message.tool_calls` on messages without one), `tojson` keeps non-ASCII and does
+        not HTML-escape, and `raise_exception` / `strftime_now` exist."""
         cached = getattr(self, "_template", None)
         if cached is None or cached[0] != self.chat_template:
-            import jinja2
+            import jinja2.ext
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                undefined=jinja2.StrictUndefined)
+                                                extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
             bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
             eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
             cached = self._template = (self.chat_template, env.from_string(self.chat_template or ""), bos, eos)
         return cached[1:]
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    import json
+
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message):
+    """A template's own refusal (e.g. Llama 3.1: one tool call per message), as TokenizerError (a ValueError)."""
+    raise TokenizerError(f"chat template: {message}")
+
+
+def _strftime_now(fmt):
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
 
 
 def stable_text(tok: Tokenizer, ids: Sequence[int]) -> str:
