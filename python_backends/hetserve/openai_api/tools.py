@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from .schema import MAX_TOOLS, MAX_TOOLS_CHARS, ApiError, Message, NamedToolChoice, ToolDefinition, bad_request
+from .schema import MAX_TOOLS, MAX_TOOLS_CHARS, Message, NamedToolChoice, ToolDefinition, bad_request
 
 HERMES, LLAMA3_JSON, FALLBACK = "hermes", "llama3_json", "fallback"
 FORMATS = (HERMES, LLAMA3_JSON, FALLBACK)
@@ -682,6 +682,6 @@ def plan_tools(chat_template: Optional[str], messages: Sequence[Union[Message, d
                     prompt_suffix=prompt_suffix(fmt, guide is not None), active=mode != "none", tools=defs)
 
 
-__all__ = ["HERMES", "LLAMA3_JSON", "FALLBACK", "ApiError", "ToolPlan", "ToolStreamParser", "call_schema",
+__all__ = ["HERMES", "LLAMA3_JSON", "FALLBACK", "ToolPlan", "ToolStreamParser", "call_schema",
            "detect_format", "guide_for", "parse_tool_calls", "plan_tools", "prompt_suffix", "render_messages",
            "validate_tools"]
