@@ -455,9 +455,9 @@ class ToolStreamParser:
         self._args.append(piece)
         idx = len(self.tool_calls) - 1
         last = self._out[-1] if self._out else None
-        prev = last["tool_calls"][0] if last and "tool_calls" in last else None
+        prev = last["tool_calls"][0] if last is not None and "tool_calls" in last else None
         if prev is not None and prev["index"] == idx and "id" not in prev:
-            last["tool_calls"][0]["function"]["arguments"] += piece
+            prev["function"]["arguments"] += piece
         else:
             self._out.append({"tool_calls": [{"index": idx, "function": {"arguments": piece}}]})
 
@@ -591,6 +591,7 @@ class ToolStreamParser:
         """Arguments text as written, up to the end of the arguments value (an object: sent as it comes; a JSON
         string: collected and sent decoded when it ends)."""
         sc = self._args_scan
+        assert sc is not None, "arguments scan starts when the arguments value does"
         end = len(s)
         for i, ch in enumerate(s):
             sc.step(ch)
