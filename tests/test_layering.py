@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parents[1] / "python_backends" / "hetserve"
 # openai_api/, cli, server, cluster, doctor, planner/, ...) is the top: the adapters and tools.
 LAYERS = [
     ("base", ["errors", "config", "faults", "retry", "bounded", "logs", "admin_key"]),
-    ("model", ["sampling", "model", "tokenizer", "schema"]),
+    ("model", ["sampling", "model", "tokenizer", "schema", "structured"]),
     ("engines and KV", ["engines", "kv"]),
     ("serving logic", ["scheduler", "stages", "reliability", "client", "admin_channel", "diagnostics"]),
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -302,6 +303,69 @@ def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids
         st = decode_op(cluster.decode_grpc(1))
         assert st["running"] == 0 and st["pending_kv"] == 0 and st["snapshots"]["tracked"] == 0
     finally:  # the next test (and the next transport) gets two decode servers whatever happened here
+        if not cluster.decode[victim].alive():
+            cluster.restart_decode(victim)
+    _pool_healthy(cluster, 2)
+
+
+# a JSON answer long enough to be cut mid-object (8 objects, ~15 tokens each)
+MIGRATION_SCHEMA = {"type": "array", "minItems": 8, "maxItems": 8,
+                    "items": {"type": "object", "additionalProperties": False, "required": ["k", "v", "tag"],
+                              "properties": {"k": {"type": "string", "maxLength": 6},
+                                             "v": {"type": "integer", "minimum": 0, "maximum": 999},
+                                             "tag": {"enum": ["red", "green", "blue"]}}}}
+
+
+def test_json_schema_streams_survive_kill9_of_their_decode_server(cluster, engine_dir):
+    """Structured output across a migration (issue 28), with the official openai client: streams under a JSON
+    schema, their decode server killed mid-JSON; each continues on the survivor under the same constraint (its
+    grammar state rebuilt from the stream's tokens, no tokens regenerated) and ends as the same valid JSON as
+    an uninterrupted run."""
+    import jsonschema
+    import openai
+    from test_openai import MODEL, _frontend
+
+    _pool_healthy(cluster, 2)
+    fe = _frontend(cluster, engine_dir, cluster.base_port + 80)
+    client = openai.OpenAI(base_url=fe.spec.url, api_key="unused", max_retries=0, timeout=120)
+    questions = [f"List {k} things as JSON." for k in ("eight", "some", "many", "a few")]
+    fmt = {"type": "json_schema", "json_schema": {"name": "rows", "schema": MIGRATION_SCHEMA, "strict": True}}
+    chunks = {q: 0 for q in questions}
+
+    def ask(q):
+        text, reason = [], None
+        for ch in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
+                                                 max_tokens=400, temperature=0, response_format=fmt, stream=True):
+            if ch.choices:
+                text.append(ch.choices[0].delta.content or "")
+                reason = ch.choices[0].finish_reason or reason
+                chunks[q] += 1
+        return "".join(text), reason
+
+    victim = 0
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(questions)) as ex:
+            reference = dict(zip(questions, ex.map(ask, questions)))
+            for q, (text, reason) in reference.items():
+                assert reason == "stop", f"{q!r}: {reason}"
+                jsonschema.validate(json.loads(text), MIGRATION_SCHEMA)
+            mig0 = _metric(cluster.prefill_metrics, "hetserve_migrations_total")
+            for q in questions:
+                chunks[q] = 0
+            futs = {q: ex.submit(ask, q) for q in questions}
+            wait_for(lambda: min(chunks.values()) >= 8, 60, "every stream 8 tokens into its JSON")
+            cluster.kill9(victim)
+            results = {q: f.result(timeout=120) for q, f in futs.items()}
+        migrated = _metric(cluster.prefill_metrics, "hetserve_migrations_total") - mig0
+        for q, (text, reason) in results.items():
+            assert reason == "stop", f"{q!r}: {reason}: {text!r}"
+            jsonschema.validate(json.loads(text), MIGRATION_SCHEMA)
+            assert text == reference[q][0], f"{q!r}: the answer changed across the migration"
+        print(f"\njson_schema streams across kill -9: {len(questions)} streams, {migrated:.0f} migrated mid-JSON, "
+              "all valid and equal to the uninterrupted answers")
+        assert migrated >= 1
+    finally:
+        fe.stop()
         if not cluster.decode[victim].alive():
             cluster.restart_decode(victim)
     _pool_healthy(cluster, 2)

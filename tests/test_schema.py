@@ -59,6 +59,9 @@ def test_schema_reads_and_writes_each_input_with_its_dtype():
         value = {"STRING": "x", "BOOL": True}.get(spec.dtype, 1)
         arr = schema.array(spec.name, value)
         assert arr.dtype == np.dtype(spec.np_dtype) and arr.shape == (1,)
+        # an array made by array() goes through it unchanged (sampling_arrays -> client.build_inputs does this)
+        again = schema.array(spec.name, arr)
+        assert again.dtype == arr.dtype and again.tolist() == arr.tolist(), spec.name
 
 
 def test_sampling_params_defaults_bounds_and_forwarding():

@@ -492,3 +492,17 @@ def test_plan_none_and_auto(base_tok):
     assert plan.template_tools == TOOLS
     plan = T.plan_tools(HERMES_TEMPLATE, [{"role": "user", "content": "hi"}], None, None)
     assert plan.mode == "none" and not plan.active
+
+
+def test_a_close_tag_inside_a_json_string_is_argument_text_whole_and_streamed():
+    # seen live: a sampled argument string held "</tool_call>"; the call must end at its own close tag
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b", "unit": "c"}}\n</tool_call>'
+    want = '{"city": "a</tool_call>b", "unit": "c"}'
+    content, calls = T.parse_tool_calls(text, T.HERMES)
+    assert content is None and [c["function"]["arguments"] for c in calls] == [want]
+    for step in (1, 2, 5, len(text)):
+        p = T.ToolStreamParser(T.HERMES)
+        for i in range(0, len(text), step):
+            p.feed(text[i:i + step])
+        p.finish()
+        assert [c["function"]["arguments"] for c in p.tool_calls] == [want] and p.content is None, step

@@ -150,7 +150,8 @@ def array(name: str, value) -> np.ndarray:
     """A value for input `name` as the array its model expects (lists for LIST inputs, one value otherwise)."""
     spec = INPUTS[name]
     if spec.dtype == "STRING":
-        vals = value if isinstance(value, (list, tuple)) else [value]
+        vals = value.reshape(-1).tolist() if isinstance(value, np.ndarray) else \
+            value if isinstance(value, (list, tuple)) else [value]
         return np.array([v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogatepass") for v in vals],
                         dtype=np.object_)
     return np.asarray(value if isinstance(value, (list, tuple, np.ndarray)) else [value], dtype=spec.np_dtype)

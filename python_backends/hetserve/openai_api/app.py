@@ -34,6 +34,7 @@ from ..sampling import TokenLogprobs
 from .backend import Delta, TritonLLM
 from .responses import Choice, TokenTexts, best, chat_logprobs, completion_logprobs, echo_logprobs
 from .schema import ApiError, ChatRequest, CompletionRequest, GenRequest, Usage, bad_request, new_id, now, parse
+from .tools import ToolPlan, plan_tools
 
 log = logging.getLogger("hetserve.openai")
 
@@ -121,7 +122,8 @@ class Frontend:
         return self.model.tok.encode(text)
 
     def _gen(self, r, ids: List[int], max_tokens: Optional[int], param: str, chat: bool,
-             response_format=None) -> Tuple[GenRequest, "Shape"]:
+             response_format=None, forced_guide: Optional[Tuple[str, str]] = None) -> Tuple[GenRequest, "Shape"]:
+        """forced_guide: the grammar tool_choice required / a named tool imposes (hetserve.openai_api.tools)."""
         if not ids:
             raise bad_request("empty prompt", param)
         vocab = self.model.tok.vocab_size
@@ -154,6 +156,11 @@ class Frontend:
             guide_type, guide = r.guide(response_format)
         except ValueError as e:
             raise bad_request(str(e), "response_format") from None
+        if forced_guide is not None:
+            if guide_type:
+                raise bad_request("tool_choice required / a named function constrains the output already; it "
+                                  "cannot be combined with response_format or guided_* fields", "tool_choice")
+            guide_type, guide = forced_guide
         gen = GenRequest(input_ids=ids, max_tokens=max_tokens,
                          temperature=1.0 if r.temperature is None else r.temperature,
                          top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
@@ -168,16 +175,19 @@ class Frontend:
     def chat_request(self, body) -> tuple:
         r = parse(ChatRequest, body)
         self._check_model(r.model)
-        try:
-            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in r.messages]
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
-        if sum(len(m["content"]) for m in msgs) > self.cfg.max_prompt_chars:
+        plan = plan_tools(self.model.tok.chat_template, r.messages, r.tools, r.tool_choice)  # 400s its own
+        if sum(len(str(m.get("content") or "")) for m in plan.messages) > self.cfg.max_prompt_chars:
             raise bad_request(f"messages exceed {self.cfg.max_prompt_chars} characters", "messages")
-        text = self.model.tok.apply_chat_template(msgs, add_generation_prompt=True)
+        try:
+            text = self.model.tok.apply_chat_template(plan.messages, add_generation_prompt=True,
+                                                      tools=plan.template_tools) + plan.prompt_suffix
+        except ValueError as e:  # the template's raise_exception (e.g. roles out of order), jinja's own errors
+            raise bad_request(f"the model's chat template refused the messages: {e}", "messages") from None
         mt = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
-        return (r, *self._gen(r, self._tokens(text, "messages"), mt, "messages", True, r.response_format))
+        gen, shape = self._gen(r, self._tokens(text, "messages"), mt, "messages", True, r.response_format,
+                               forced_guide=plan.guide)
+        shape.tools = plan if plan.active else None
+        return r, gen, shape
 
     def completion_request(self, body) -> tuple:
         r = parse(CompletionRequest, body)
@@ -223,10 +233,19 @@ class Frontend:
 
     def chat_body(self, rid, choices: List[Choice], usage, shape: "Shape") -> dict:
         return {"id": rid, "object": "chat.completion", "created": now(), "model": self.cfg.model_name,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                             "logprobs": self._logprobs(shape, c.ids, c.logprobs), "finish_reason": c.finish_reason}
-                            for c in choices],
-                "usage": usage.as_dict()}
+                "choices": [self._chat_choice(c, shape) for c in choices], "usage": usage.as_dict()}
+
+    def _chat_choice(self, c: Choice, shape: "Shape") -> dict:
+        text, reason = "".join(c.text), c.finish_reason
+        message: dict = {"role": "assistant", "content": text}
+        if shape.tools is not None:
+            content, calls = shape.tools.parse(text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": c.index, "message": message, "logprobs": self._logprobs(shape, c.ids, c.logprobs),
+                "finish_reason": reason}
 
     def _echo_logprobs(self, shape: "Shape", gen: Optional[dict]) -> Optional[dict]:
         """Completions echo + logprobs: the prompt's tokens (the first without a logprob) lead the answer's."""
@@ -252,11 +271,16 @@ class Frontend:
         usage = Usage(len(gen.input_ids), 0)
         offsets = {i: len(shape.echo) for i in range(shape.n)}
 
-        def chunk(i: int, text: Optional[str], reason: Optional[str], role: bool = False, logprobs=None) -> dict:
+        parsers = {i: shape.tools.stream_parser() for i in range(shape.n)} if shape.tools is not None else {}
+
+        def chunk(i: int, text: Optional[str], reason: Optional[str], role: bool = False, logprobs=None,
+                  delta: Optional[dict] = None) -> dict:
             if chat:
-                delta = {} if text is None else {"content": text}
+                if delta is None:
+                    delta = {} if text is None else {"content": text}
                 if role:
-                    delta = {"role": "assistant", "content": text or ""}
+                    delta = {"role": "assistant", "content": None, **delta} if "tool_calls" in delta else \
+                        {"role": "assistant", "content": delta.get("content") or ""}
                 choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
                 choice = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
@@ -281,12 +305,20 @@ class Frontend:
                 i = d.index
                 role = chat and i not in started
                 lp = self._logprobs(shape, d.token_ids, d.logprobs, offsets.get(i, 0)) if d.token_ids else None
-                if d.text or role or lp:
+                parser = parsers.get(i)
+                if parser is not None:  # tools: content and call deltas; logprobs ride on the step's first
+                    deltas = parser.feed(d.text) + (parser.finish() if d.finish_reason else [])
+                    for k, delta in enumerate(deltas or ([{}] if role or lp else [])):
+                        yield _sse(chunk(i, None, None, role=role, logprobs=lp if k == 0 else None, delta=delta))
+                        started.add(i)
+                        role = False
+                elif d.text or role or lp:
                     yield _sse(chunk(i, d.text, None, role=role, logprobs=lp))
                     started.add(i)
                 offsets[i] = offsets.get(i, 0) + len(d.text)
                 if d.finish_reason:
-                    yield _sse(chunk(i, None if chat else "", d.finish_reason))
+                    reason = parser.finish_reason(d.finish_reason) if parser is not None else d.finish_reason
+                    yield _sse(chunk(i, None if chat else "", reason))
                     finished.add(i)
                     if len(finished) >= shape.n:
                         break
@@ -317,6 +349,7 @@ class Shape:
     echo: str = ""
     prompt_ids: List[int] = field(default_factory=list)  # echo: the prompt's tokens (their logprobs lead)
     prompt_logprobs: Optional[TokenLogprobs] = None  # echo + logprobs, from the first response
+    tools: Optional[ToolPlan] = None  # chat with tools offered: the output is parsed for calls
 
 
 def create_app(cfg: FrontendConfig) -> FastAPI:

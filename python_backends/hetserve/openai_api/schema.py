@@ -211,14 +211,17 @@ class _Common(BaseModel):
         elif rf.get("type") not in (None, "text"):
             raise ValueError(f"response_format type {rf.get('type')!r}: use text, json_object or json_schema")
         so = dict(self.structured_outputs or {})
-        for name, kind, val in (("guided_json", "json_schema", self.guided_json or so.get("json")),
-                                ("guided_regex", "regex", self.guided_regex or so.get("regex")),
-                                ("guided_choice", "choice", self.guided_choice or so.get("choice")),
-                                ("guided_grammar", "ebnf_grammar", self.guided_grammar or so.get("grammar"))):
-            if val:
+        def field_or(own, key):
+            return own if own is not None else so.get(key)
+
+        for name, kind, val in (("guided_json", "json_schema", field_or(self.guided_json, "json")),
+                                ("guided_regex", "regex", field_or(self.guided_regex, "regex")),
+                                ("guided_choice", "choice", field_or(self.guided_choice, "choice")),
+                                ("guided_grammar", "ebnf_grammar", field_or(self.guided_grammar, "grammar"))):
+            if val is not None and val != "":  # an empty list / dict is a malformed constraint, not none
                 text = val if isinstance(val, str) and kind != "choice" else json.dumps(val)
-                if kind == "choice" and not (isinstance(val, list) and all(isinstance(c, str) for c in val)):
-                    raise ValueError("guided_choice must be a list of strings")
+                if kind == "choice" and not (isinstance(val, list) and val and all(isinstance(c, str) for c in val)):
+                    raise ValueError("guided_choice must be a non-empty list of strings")
                 found.append((name, kind, text))
         if len(found) > 1:
             raise ValueError(f"one structured-output constraint per request, got {[f[0] for f in found]}")
@@ -228,17 +231,12 @@ class _Common(BaseModel):
 class ChatRequest(_Common):
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    tools: Optional[List[Any]] = None
+    tools: Optional[List[ToolDefinition]] = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None  # accepted: the model may make several calls under "auto"
     response_format: Optional[Dict[str, Any]] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported")
-        return v
 
 
 class CompletionRequest(_Common):

@@ -278,6 +278,17 @@ def _parse_call(text: str) -> Optional[Tuple[str, str]]:
     return None
 
 
+def _json_end(text: str, at: int) -> int:
+    """Where the JSON value starting at `at` (after whitespace) ends; `at` when there is none whole."""
+    i = at
+    while i < len(text) and text[i].isspace():
+        i += 1
+    try:
+        return json.JSONDecoder().raw_decode(text, i)[1]
+    except ValueError:
+        return at
+
+
 def _call(name: str, arguments: str) -> dict:
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -318,7 +329,7 @@ def parse_tool_calls(text: str, fmt: str = HERMES) -> Tuple[Optional[str], List[
             break
         parts.append(text[pos:start])
         body_at = start + len(TOOL_CALL_OPEN)
-        end = text.find(TOOL_CALL_CLOSE, body_at)
+        end = text.find(TOOL_CALL_CLOSE, _json_end(text, body_at))  # a close tag inside the JSON is text
         body = text[body_at:] if end < 0 else text[body_at:end]
         stop = len(text) if end < 0 else end + len(TOOL_CALL_CLOSE)
         got = _parse_call(body)
@@ -544,17 +555,22 @@ class ToolStreamParser:
         self._hold = ""
 
     def _on_block(self, text: str) -> str:
-        if self.fmt != LLAMA3_JSON:
+        if self.fmt != LLAMA3_JSON:  # ended by the close tag, unless it is inside a JSON string of the call
             s = self._hold + text
-            at = s.find(TOOL_CALL_CLOSE)
-            if at >= 0:
-                self._hold = ""
-                self._consume(s[:at])
-                self._close_block(ended=True)
-                return s[at + len(TOOL_CALL_CLOSE):]
-            k = _partial_suffix(s, TOOL_CALL_CLOSE)
-            self._hold = s[len(s) - k:] if k else ""
-            self._consume(s[:len(s) - k])
+            self._hold = ""
+            sc = self._scan
+            for i, ch in enumerate(s):
+                if ch == "<" and not sc.in_str:
+                    if s.startswith(TOOL_CALL_CLOSE, i):
+                        self._consume(s[:i])
+                        self._close_block(ended=True)
+                        return s[i + len(TOOL_CALL_CLOSE):]
+                    if TOOL_CALL_CLOSE.startswith(s[i:]):  # maybe the tag: decided by the next text
+                        self._hold = s[i:]
+                        self._consume(s[:i])
+                        return ""
+                sc.step(ch)
+            self._consume(s)
             return ""
         # LLAMA3_JSON: the block is one JSON object, ended by its closing brace
         for i, ch in enumerate(text):

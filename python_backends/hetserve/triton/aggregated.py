@@ -10,7 +10,7 @@ from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..sampling import is_stop_token
 from ..scheduler import DecodeScheduler, Sequence
-from .common import check_prompt, engine_dir, inp, log_if_ours, sampling_params, send_error, tokenizer
+from .common import check_prompt, engine_dir, grammar_matchers, inp, log_if_ours, sampling_params, send_error, tokenizer
 from .metrics import BusyMeter, Poller
 from .preprocess import tokenize_request
 from .streaming import TextStreamer
@@ -31,7 +31,8 @@ class TritonPythonModel:
         self.cfg = self.prefill.config
         self.sched = DecodeScheduler({dec.precision: dec}, eos_ids=self.cfg.eos_token_ids,
                                      max_batch=int(config.get("HETSERVE_MAX_BATCH")),
-                                     max_queue=int(config.get("HETSERVE_MAX_QUEUE")))
+                                     max_queue=int(config.get("HETSERVE_MAX_QUEUE")),
+                                     matcher_factory=grammar_matchers(self.cfg))
         self.lock = threading.Lock()
         self.work = BoundedExecutor(2, int(config.get("HETSERVE_MAX_QUEUE")), "aggregated")
         self.busy = BusyMeter()

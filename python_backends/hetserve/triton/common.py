@@ -52,6 +52,14 @@ def tokenizer():
     return load_tokenizer(engine_dir())
 
 
+def grammar_matchers(cfg):
+    """Structured output's MatcherFactory for this process's model (hetserve.structured): one compiler per
+    process, built from the engine directory's tokenizer, the model's vocab size and every EOS id."""
+    from ..structured import GrammarCompiler, matcher_factory
+
+    return matcher_factory(GrammarCompiler.for_tokenizer(tokenizer(), cfg.vocab_size, cfg.eos_token_ids))
+
+
 def _tensors(request) -> "schema.Tensors":
     # RequestTensors is read through .get only, which is all schema's readers use of a Mapping
     return cast("schema.Tensors", RequestTensors(request))

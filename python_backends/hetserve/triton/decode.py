@@ -24,6 +24,7 @@ from ..scheduler import DecodeScheduler
 from ..stages.decode import RECOMPUTE_REASONS, DecodeConfig, DecodeStage, PendingKV
 from .common import (
     engine_dir,
+    grammar_matchers,
     ingest_token_ok,
     json_bytes,
     logprob_tensors,
@@ -162,7 +163,8 @@ class TritonPythonModel:
         self.sched = DecodeScheduler(
             engines, eos_ids=cfg.eos_token_ids, max_batch=int(config.get("HETSERVE_MAX_BATCH")),
             pool=BlockPool.from_env(cfg),  # HETSERVE_KV_* and HETSERVE_REDIS_URL (README)
-            idle_demote_s=float(config.get("HETSERVE_KV_IDLE_DEMOTE_S")), max_queue=max_queue)
+            idle_demote_s=float(config.get("HETSERVE_KV_IDLE_DEMOTE_S")), max_queue=max_queue,
+            matcher_factory=grammar_matchers(cfg))
         self.snapshots = Snapshotter.from_env(e0.compat_hash)
         self.sched.snapshotter = self.snapshots
         # admission work (waiting for KV, recompute) off the request thread; bounded like the scheduler queue

@@ -32,6 +32,7 @@ from ..sampling import MAX_CHOICES, TokenLogprobs
 from ..stages.grpc_decode import GrpcDecodeClient
 from ..stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
 from ..stages.types import GenerateRequest, PrefillJob, PrefillResult
+from ..structured import GuideSpec
 from ..tokenizer import encode_prompt
 from .common import (
     PREFILL_HOP,
@@ -197,8 +198,8 @@ class TritonPythonModel:
                 if n > 1 and not streaming:
                     raise RequestError("num_return_sequences > 1 needs stream=true (each choice's responses carry "
                                        "its sequence_index; HTTP /generate takes exactly one response)")
-                if params.guide_type:
-                    self._guides(params)
+                if params.guide_type:  # a malformed guide is the client's 400 here, before any prefill
+                    GuideSpec.parse(params.guide_type, params.guide)
                 cls = Sink if streaming else WholeAnswer
                 streamer = cls(ChoiceSender(sender, n) if n > 1 else sender, tokenizer(), params,
                                self.cfg.eos_token_ids, model="llm")

@@ -41,6 +41,7 @@ from .common import (
     RequestError,
     check_prompt,
     engine_dir,
+    grammar_matchers,
     internal_token_ok,
     is_admin,
     log_if_ours,
@@ -119,7 +120,7 @@ class TritonPythonModel:
                                   BatchConfig.from_env(), REGISTRY, prefix=self.prefix, on_forward=self._on_forward,
                                   classify_failure=transfer_failure_reason,
                                   send_threads=int(config.get("HETSERVE_PREFILL_SEND_THREADS")),
-                                  scorer=self._scorer)
+                                  scorer=self._scorer, matcher_factory=grammar_matchers(self.cfg))
         self._scorer_engine = None
         self._scorer_lock = threading.Lock()
         prepare = [t for t in to_prepare(config.get("HETSERVE_KV_PREPARE"), defaults.transport)
