@@ -323,6 +323,7 @@ def test_json_schema_streams_survive_kill9_of_their_decode_server(cluster, engin
     an uninterrupted run."""
     import jsonschema
     import openai
+
     from test_openai import MODEL, _frontend
 
     _pool_healthy(cluster, 2)
