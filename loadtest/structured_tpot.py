@@ -91,9 +91,6 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
 
-    import jsonschema
-    import openai
-
     from hetserve.engines.builder import build_engines
     from hetserve.openai_api.process import FrontendProcess, FrontendSpec
     from hetserve.topology import Topology
@@ -106,25 +103,9 @@ def main(argv=None) -> int:
         topo.start()
         fe = FrontendProcess(FrontendSpec(topo.prefill_grpc, a.base_port + 80, a.engine_dir))
         fe.start().wait_ready(180)
-        client = openai.AsyncOpenAI(base_url=fe.spec.url, api_key="unused", max_retries=0, timeout=600)
-        model = asyncio.run(_model(fe.spec.url))
-        tpot = {False: [], True: []}
+        tpot: dict = {False: [], True: []}
         valid = [0, 0]
-        for r in range(a.rounds):
-            for schema in (False, True):
-                res = asyncio.run(window(client, model, schema, a.streams, a.requests, a.max_tokens))
-                for times, text in res:
-                    if len(times) > 1:
-                        tpot[schema].append((times[-1] - times[0]) / (len(times) - 1))
-                    if schema:
-                        valid[1] += 1
-                        try:
-                            jsonschema.validate(json.loads(text), SCHEMA)
-                            valid[0] += 1
-                        except (ValueError, jsonschema.ValidationError) as e:
-                            print(f"  invalid answer ({e.__class__.__name__}): {text[:120]!r}", file=sys.stderr)
-                print(f"round {r + 1} {'schema' if schema else 'plain '}: {len(res)} requests, TPOT p50 "
-                      f"{1e3 * pct(tpot[schema], 50):.1f} ms so far", flush=True)
+        asyncio.run(_rounds(a, fe.spec.url, tpot, valid))  # one event loop: the async client lives in it
         out = {c: {"p50_ms": 1e3 * pct(tpot[c], 50), "p99_ms": 1e3 * pct(tpot[c], 99),
                    "mean_ms": 1e3 * statistics.mean(tpot[c]), "n": len(tpot[c])} for c in (False, True)}
         report = {"streams": a.streams, "rounds": a.rounds, "max_tokens": a.max_tokens,
@@ -142,11 +123,29 @@ def main(argv=None) -> int:
         topo.stop()
 
 
-async def _model(url):
+async def _rounds(a, url: str, tpot: dict, valid: list) -> None:
+    """Alternating rounds, plain then schema, into tpot[schema] (seconds per token) and valid [ok, of]."""
+    import jsonschema
     import openai
 
-    c = openai.AsyncOpenAI(base_url=url, api_key="unused")
-    return (await c.models.list()).data[0].id
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    for r in range(a.rounds):
+        for schema in (False, True):
+            res = await window(client, model, schema, a.streams, a.requests, a.max_tokens)
+            for times, text in res:
+                if len(times) > 1:
+                    tpot[schema].append((times[-1] - times[0]) / (len(times) - 1))
+                if schema:
+                    valid[1] += 1
+                    try:
+                        jsonschema.validate(json.loads(text), SCHEMA)
+                        valid[0] += 1
+                    except (ValueError, jsonschema.ValidationError) as e:
+                        print(f"  invalid answer ({e.__class__.__name__}): {text[:120]!r}", file=sys.stderr)
+            print(f"round {r + 1} {'schema' if schema else 'plain '}: {len(res)} requests, TPOT p50 "
+                  f"{1e3 * pct(tpot[schema], 50):.1f} ms so far", flush=True)
+    await client.close()
 
 
 if __name__ == "__main__":
