@@ -176,7 +176,9 @@ class Frontend:
         r = parse(ChatRequest, body)
         self._check_model(r.model)
         plan = plan_tools(self.model.tok.chat_template, r.messages, r.tools, r.tool_choice)  # 400s its own
-        if sum(len(str(m.get("content") or "")) for m in plan.messages) > self.cfg.max_prompt_chars:
+        # the client's message text (content parts checked by plan_tools); tool definitions have their own bound
+        # (MAX_TOOLS_CHARS), also where the fallback format writes them into the system message
+        if sum(len(m.text()) for m in r.messages) > self.cfg.max_prompt_chars:
             raise bad_request(f"messages exceed {self.cfg.max_prompt_chars} characters", "messages")
         try:
             text = self.model.tok.apply_chat_template(plan.messages, add_generation_prompt=True,
