@@ -76,15 +76,13 @@ def reference_tokens(prompt_ids):
 
 
 @pytest.fixture(scope="session")
-def topology(engine_dir):
+def topology(engine_dir, tmp_path_factory):
     """Real prefill + decode tritonservers on separate cores (ports 18000-18002 / 19000-19002)."""
     from hetserve.topology import Topology
 
     base = int(os.environ.get("HETSERVE_TEST_BASE_PORT", "18000"))
     # functional tests: a slow CI box must not trip the latency breaker (tests/test_reliability.py tests it)
-    import tempfile
-
-    snaps = tempfile.mkdtemp(prefix="hetserve-snapshots-")
+    snaps = str(tmp_path_factory.mktemp("snapshots"))  # pytest's own temp tree: removed with it
     topo = Topology(engine_dir, base_port=base, env={"HETSERVE_KV_TIMEOUT_MS": "100",
                                                      "HETSERVE_BREAKER_P99_MS": "60000",
                                                      "HETSERVE_SNAPSHOT_DIR": snaps})

@@ -186,18 +186,16 @@ def test_batched_chunked_prefill_equals_sequential(engine, prompt_ids):
 
 # ---- live: real prefill + decode tritonservers ---------------------------------------------------
 @pytest.fixture(scope="module")
-def batching_topology(engine_dir):
+def batching_topology(engine_dir, tmp_path_factory):
     """A prefill + decode pair with a small prefill budget (96 tokens, chunks of 32, queue of 8), so the
     ~40-token chat prompts are both batched and chunked."""
-    import tempfile
-
     from hetserve.topology import Topology
 
     base = int(os.environ.get("HETSERVE_TEST_BASE_PORT", "18000")) + 200
     topo = Topology(engine_dir, base_port=base, env={
         "HETSERVE_PREFILL_TOKEN_BUDGET": "96", "HETSERVE_PREFILL_CHUNK_TOKENS": "32",
         "HETSERVE_PREFILL_MAX_QUEUE": "8", "HETSERVE_BREAKER_P99_MS": "600000",
-        "HETSERVE_SNAPSHOT_DIR": tempfile.mkdtemp(prefix="hetserve-snapshots-")})
+        "HETSERVE_SNAPSHOT_DIR": str(tmp_path_factory.mktemp("snapshots"))})
     topo.start()
     yield topo
     topo.stop()

