@@ -83,33 +83,3 @@ def test_serving_engines_default_to_the_builds_choice_and_the_operator_wins(tmp_
     assert configured_engines(tmp_path, "HETSERVE_PREFILL_ENGINE") == ["prefill_fp32"]  # the setting's default
     monkeypatch.setenv("HETSERVE_DECODE_ENGINES", "decode_fp32, decode_int8")
     assert configured_engines(tmp_path, "HETSERVE_DECODE_ENGINES") == ["decode_fp32", "decode_int8"]
-
-
-def test_build_command_reexecs_once_with_huge_page_malloc():
-    """`hetserve build` restarts itself under GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (the builder's mmapped
-    temporaries faulted in 2 MiB pages), keeps tunables the user set, does it once, and not when told not to."""
-    import os
-    import subprocess
-    import sys
-
-    from hetserve.engines.builder import hugepage_malloc_env
-
-    env = hugepage_malloc_env({})
-    if env is None:
-        pytest.skip("this machine's libc/kernel offer no huge-page malloc (not glibc >= 2.35 with THP madvise)")
-    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-    assert hugepage_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
-        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    assert hugepage_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None  # the user's choice stands
-    assert hugepage_malloc_env({"HETSERVE_BUILD_HUGEPAGES": "0"}) is None
-    # the re-exec itself: a command line that calls it prints once, from the re-executed process
-    code = ("import os, sys; from hetserve.engines.builder import reexec_with_hugepage_malloc as r; r(); "
-            "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'))")
-    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "HETSERVE_BUILD_HUGEPAGES")}
-    out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert len(lines) == 1 and lines[0].endswith(" glibc.malloc.hugetlb=1"), out.stdout
-    out = subprocess.run([sys.executable, "-c", code], env={**base, "HETSERVE_BUILD_HUGEPAGES": "0"},
-                         capture_output=True, text=True, timeout=60)
-    assert out.stdout.split()[1:] == ["None"], out.stdout

@@ -20,10 +20,8 @@ def _engine_dir(args) -> str:
 
 
 def cmd_build(args) -> int:
-    from .engines.builder import build_engines, reexec_with_hugepage_malloc
+    from .engines.builder import build_engines
 
-    if getattr(args, "from_command_line", False):
-        reexec_with_hugepage_malloc()
     build_engines(args.checkpoint, _engine_dir(args), tensorrt=args.tensorrt, force=args.force)
     return 0
 
@@ -425,7 +423,6 @@ def main(argv=None) -> int:
     except ImportError:
         pass
     args = ap.parse_args(argv)
-    args.from_command_line = argv is None  # this process is the command (it may re-exec itself)
     return int(args.fn(args) or 0)
 
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from .. import config
 from ..model.checkpoint import load_checkpoint
@@ -171,46 +171,6 @@ def _mmap_large_allocations() -> None:
     if libc is not None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
-
-
-def hugepage_malloc_env(env: Mapping[str, str]) -> Optional[Dict[str, str]]:
-    """The environment under which a build should run, or None when the current one is it (or cannot be bettered).
-
-    The builder takes every allocation over 1 MiB straight from mmap (_mmap_large_allocations) so freed tensors
-    go back to the OS; each is then faulted in one 4 KiB page at a time: a 1B build touched ~130 GB that way
-    (33 M minor faults, ~170 s of system time). glibc >= 2.35 advises transparent huge pages on its mmapped
-    chunks when the tunable glibc.malloc.hugetlb=1 is set: 2 MiB pages, ~5x cheaper per byte faulted
-    (4.7x measured on a 64 MiB malloc + memset + free loop here). Tunables are read at process start only, hence
-    a re-exec. Nothing to gain when THP is off ("never") or already on for everything ("always")."""
-    if sys.platform != "linux" or not config.get("HETSERVE_BUILD_HUGEPAGES", env):
-        return None
-    tun = env.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" in tun:
-        return None
-    try:
-        kind, ver = os.confstr("CS_GNU_LIBC_VERSION").split()
-        major, minor = (int(x) for x in ver.split(".")[:2])
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read()
-    except (ValueError, OSError, AttributeError):  # not glibc, or no THP on this kernel
-        return None
-    if kind != "glibc" or (major, minor) < (2, 35) or "[madvise]" not in thp:
-        return None
-    out = dict(env)
-    out["GLIBC_TUNABLES"] = f"{tun}:glibc.malloc.hugetlb=1" if tun else "glibc.malloc.hugetlb=1"
-    return out
-
-
-def reexec_with_hugepage_malloc() -> None:
-    """Replace this process (a `hetserve build` command line, nothing started yet) by the same command under
-    hugepage_malloc_env; returns when there is nothing to change."""
-    env = hugepage_malloc_env(os.environ)
-    orig = getattr(sys, "orig_argv", None)
-    if env is None or not orig:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *orig[1:]], env)
 
 
 def _trim_heap() -> None:
