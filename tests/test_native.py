@@ -572,3 +572,21 @@ def test_scheduler_preempt_resume_on_native_engine_keeps_tokens(eng, prompt_ids)
     out, st = run_scheduler(eng, eng, items, 16, pool=pool, timeout_s=60)
     assert st["preempted"] >= 1 and st["resumed"] >= 1 and st["kv_recomputed"] == 0, st
     assert out == ref
+
+
+def test_packing_in_chunks_equals_packing_whole(monkeypatch):
+    """quantize_matrix and the QDQ codes run over cache-sized row chunks (build_plan.CHUNK_BYTES): the packed
+    bytes are the same whatever the chunk (one chunk of every row vs 16-row chunks), zero rows and blocks included."""
+    from hetserve.engines import build_plan
+
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((112, 256)) * rng.uniform(0.01, 3, (112, 1))).astype(np.float32)
+    w[3, :32] = 0
+    w[40] = 0
+    monkeypatch.setattr(build_plan, "CHUNK_BYTES", 1 << 30)
+    whole = native.quantize_matrix(w, 32)
+    monkeypatch.setattr(build_plan, "CHUNK_BYTES", 16 * 256 * 4)
+    assert build_plan.chunk_rows(256, 16) == 16
+    chunked = native.quantize_matrix(w, 32)
+    for a, b in zip(whole, chunked):
+        assert a.dtype == b.dtype and np.array_equal(a, b)

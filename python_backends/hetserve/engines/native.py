@@ -36,6 +36,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import config
+from .build_plan import chunk_rows
 
 log = logging.getLogger("hetserve.native")
 
@@ -210,21 +211,28 @@ def _f32(a: Optional[np.ndarray]) -> dict:
 
 
 # ---- packing (hetserve build) ---------------------------------------------------------------------------------
-QUANT_ROWS = 2048  # a multiple of 16 (the packed row group)
-
-
 def quantize_matrix(w: np.ndarray, bs: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """W [N, K] fp32 -> (packed q uint8 [N/16, K/4, 16, 4], packed block scales uint8 [N/16, K/bs, 16], row
     scales float32 [N]). Symmetric, 8.5 bits per weight at blocks of 16 (llama.cpp Q8_0's bytes at half its
     block): block b of row n has scale u[n, b] * d[n], d = max block absmax / (127 * 255), and u in 1..255 is the
     ceil, floor or nearest of absmax / (127 d) whichever reconstructs the block best (smallest squared error);
-    q = round(w / scale) in [-127, 127], stored + 128 (loadtest/native_ab.py compares block sizes end to end)."""
+    q = round(w / scale) in [-127, 127], stored + 128 (loadtest/native_ab.py compares block sizes end to end).
+    Rows are independent: quantized in cache-sized chunks (build_plan.chunk_rows) into the outputs."""
     N, K = w.shape
     if N % 16 or K % bs:
         raise ValueError(f"matrix {N}x{K}: N must be a multiple of 16 and K of the block size {bs}")
-    if N > QUANT_ROWS:  # rows are independent: in chunks, so a 128k-row LM head needs ~0.1 GiB of temporaries
-        parts = [quantize_matrix(w[i:i + QUANT_ROWS], bs) for i in range(0, N, QUANT_ROWS)]
-        return tuple(np.concatenate(p) for p in zip(*parts))  # type: ignore[return-value]
+    qp = np.empty((N // 16, K // 4, 16, 4), np.uint8)
+    sp = np.empty((N // 16, K // bs, 16), np.uint8)
+    d = np.empty(N, np.float32)
+    rows = chunk_rows(K, 16)
+    for i in range(0, N, rows):
+        j = min(N, i + rows)
+        _quantize_rows(w[i:j], bs, qp[i // 16:j // 16], sp[i // 16:j // 16], d[i:j])
+    return qp, sp, d
+
+
+def _quantize_rows(w: np.ndarray, bs: int, qp: np.ndarray, sp: np.ndarray, d_out: np.ndarray) -> None:
+    N, K = w.shape
     b = w.reshape(N, K // bs, bs).astype(np.float32)
     amax = np.abs(b).max(-1)  # [N, nb]
     d = (amax.max(-1) / (127.0 * 255.0)).astype(np.float32)  # [N]
@@ -244,9 +252,9 @@ def quantize_matrix(w: np.ndarray, bs: int) -> Tuple[np.ndarray, np.ndarray, np.
             best_u, best_e = np.where(better, u, best_u), np.where(better, e, best_e)
     assert best_q is not None and best_u is not None
     qu = (best_q.reshape(N, K).astype(np.int16) + 128).astype(np.uint8)
-    qp = np.ascontiguousarray(qu.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3))
-    sp = np.ascontiguousarray(best_u.astype(np.uint8).reshape(N // 16, 16, K // bs).transpose(0, 2, 1))
-    return qp, sp, d
+    qp[...] = qu.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3)
+    sp[...] = best_u.astype(np.uint8).reshape(N // 16, 16, K // bs).transpose(0, 2, 1)
+    d_out[...] = d
 
 
 def _fused(W: dict, names: Sequence[str]) -> np.ndarray:

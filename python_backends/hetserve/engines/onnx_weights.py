@@ -229,16 +229,23 @@ class QdqCodec(WeightCodec):
     def matmul(self, g, x, w, wname):
         if any(k in wname for k in self.keep):
             return super().matmul(g, x, w, wname)
+        from .build_plan import chunk_rows
+
         w = np.asarray(w, np.float32)  # [N, K]: one scale per row = per output channel of x @ w.T
+        rows = chunk_rows(w.shape[1])
+        s = np.maximum(np.abs(w).max(axis=1), 1e-12) / (127.0 if self.kind == "int8" else FP8_MAX)
         if self.kind == "int8":
-            s = np.maximum(np.abs(w).max(axis=1), 1e-12) / 127.0
-            codes = np.clip(np.rint(w / s[:, None]), -127, 127).astype(np.int8)
+            codes = np.empty(w.shape, np.int8)
+            for i in range(0, len(w), rows):  # cache-sized chunks (build_plan.CHUNK_BYTES)
+                codes[i:i + rows] = np.clip(np.rint(w[i:i + rows] / s[i:i + rows, None]), -127, 127)
             q = g.weight(transposed(codes), wname + "_q")
         else:
             import ml_dtypes
 
-            s = np.maximum(np.abs(w).max(axis=1), 1e-12) / FP8_MAX
-            codes = transposed((w / s[:, None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+            e4m3 = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
+            for i in range(0, len(w), rows):
+                e4m3[i:i + rows] = w[i:i + rows] / s[i:i + rows, None]
+            codes = transposed(e4m3.view(np.uint8))
             q = g.add_init(g.data.tensor(wname + "_q", memoryview(codes.reshape(-1)), TensorProto.FLOAT8E4M3FN,
                                          codes.shape))
         wdq = wname + "_dq"
