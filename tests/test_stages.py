@@ -18,9 +18,9 @@ from hetserve import errors, schema
 from hetserve.bounded import BoundedExecutor
 from hetserve.kv import wire
 from hetserve.reliability import BreakerOpen, CircuitBreaker, NoDecodeServer
-from hetserve.sampling import SamplingParams
+from hetserve.sampling import SamplingParams, TokenLogprobs
 from hetserve.scheduler import Overloaded
-from hetserve.stages.decode import DecodeConfig, DecodeStage, PendingKV, call_from_tensors
+from hetserve.stages.decode import DecodeConfig, DecodeStage, PacedReply, PendingKV, call_from_tensors
 from hetserve.stages.grpc_decode import stream_error
 from hetserve.stages.orchestrator import REQUEST_ERRORS_METRIC, TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
 from hetserve.stages.types import DecodeCall, DecodeFailed, GenerateRequest, PrefillResult, TokenChunk
@@ -116,8 +116,9 @@ class FakePool:
 class FakeSink:
     """FAKE response sender + detokeniser: records token pushes; stops on a reason."""
 
-    def __init__(self, cancel_after=None):
+    def __init__(self, cancel_after=None, streaming=True):
         self.ids, self.finish_reason, self.cancel_after = [], None, cancel_after
+        self.streaming = streaming
 
     def push(self, ids, reason=None, logprobs=None):
         self.ids += ids
@@ -156,6 +157,17 @@ def test_orchestrator_streams_prefill_then_decode_and_settles_the_lease():
     started = dec.opened[0][1].started
     assert started.output_ids == [10] and started.kv_sent is True and started.prompt == [1, 5, 6]
     assert pool.leases == {"a": 0} and dec.opened[0][1].closed is False
+
+
+def test_whole_answer_sinks_ask_decode_for_paced_tokens():
+    """A client that wants one final answer (sink.streaming False): decode is asked to send tokens at most every
+    whole_answer_send_interval_s; a streaming client gets every step (interval 0)."""
+    for streaming, want in ((True, 0.0), (False, 0.2)):
+        dec = FakeDecodeClient({"a": [([TokenChunk([11, 12, 13], "length")], None)]})
+        orch, _, _ = _orch(FakePrefill(), dec, FakePool(["a"]), whole_answer_send_interval_s=0.2)
+        sink = FakeSink(streaming=streaming)
+        orch.run(_req(4), sink)
+        assert sink.ids == [10, 11, 12, 13] and dec.opened[0][1].started.send_interval_s == want
 
 
 def test_n_choices_share_one_prefill_and_fork_its_kv_on_one_member():
@@ -548,6 +560,59 @@ def test_call_from_tensors_reads_the_schema():
     assert c.params.max_tokens == schema.INPUTS["max_tokens"].default
     assert call_from_tensors({}).op == "generate"
     assert call_from_tensors({"op": schema.array("op", "stats")}).params is None
+
+
+def test_paced_reply_gathers_tokens_between_sends_and_asks_cancellation_at_its_pace():
+    """PacedReply (send_interval_ms): tokens within an interval go out together with the next send, the final
+    ones at once, in order, logprobs aligned; cancellation reaches the inner reply once per interval and sticks;
+    an error sends the held tokens first (a migration resumes after them)."""
+    now = [0.0]
+    inner = FakeReply()
+    asked = []
+    inner.cancelled = lambda: asked.append(now[0]) or len(asked) >= 3
+    r = PacedReply(inner, 0.2, clock=lambda: now[0])
+    lp = lambda *v: TokenLogprobs(list(v), [[] for _ in v], [[] for _ in v])  # noqa: E731
+    for t in range(5):  # 5 steps 0.04 s apart: nothing sent yet
+        now[0] += 0.04 if t else 0.0
+        r.tokens([t], logprobs=lp(-t))
+        assert not r.cancelled()
+    assert inner.sent == [] and asked == []
+    now[0] = 0.25
+    r.tokens([5], logprobs=lp(-5))  # the interval has passed: 0..5 in one send
+    assert inner.sent == [("tokens", [0, 1, 2, 3, 4, 5], None)]
+    r.tokens([6])
+    r.tokens([7], "length", final=True)  # the final one goes at once, with what was held
+    assert inner.sent[-1] == ("tokens", [6, 7], "length") and inner.done.is_set()
+    assert not r.cancelled() and asked == [0.25]  # first ask: the interval since construction had passed
+    now[0] = 0.3
+    assert not r.cancelled() and asked == [0.25]  # within the interval: not asked
+    now[0] = 0.5
+    assert not r.cancelled() and len(asked) == 2
+    now[0] = 0.75
+    assert r.cancelled() and r.cancelled() and len(asked) == 3  # true sticks without asking again
+    inner2 = FakeReply()
+    r2 = PacedReply(inner2, 0.2, clock=lambda: now[0])
+    r2.tokens([1, 2])
+    r2.error(RuntimeError("engine"))
+    assert inner2.sent[0] == ("tokens", [1, 2], None) and inner2.sent[1][0] == "error"
+
+
+def test_paced_decode_request_bounds_and_schema():
+    t = {"op": schema.array("op", "generate"), "send_interval_ms": schema.array("send_interval_ms", 250)}
+    assert call_from_tensors(t).send_interval_s == 0.25
+    assert call_from_tensors({}).send_interval_s == 0.0
+
+
+def test_paced_generate_wraps_its_reply_and_refuses_out_of_bounds(stage):
+    reply = FakeReply()
+    stage.handle(DecodeCall("generate", "p1", [1, 5, 6], [10], SamplingParams(max_tokens=8), kv_sent=False,
+                            send_interval_s=0.2), reply)
+    assert reply.done.wait(5) and reply.sent[-1] == ("tokens", [42], "length")
+    assert isinstance(stage.sched.seqs[-1].is_cancelled.__self__, PacedReply)
+    bad = FakeReply()
+    stage.handle(DecodeCall("generate", "p2", [1, 5, 6], [10], SamplingParams(max_tokens=8),
+                            send_interval_s=60.0), bad)
+    assert bad.sent[0][0] == "error" and "send_interval_ms" in str(bad.sent[0][1])
 
 
 def test_stages_import_no_triton_binding():

@@ -47,3 +47,18 @@ def test_transfer_not_ok_recomputes_at_once_same_tokens(refusing_topology):
     assert total(d, "hetserve_kv_recompute_total", reason="timeout") == 0
     assert total(p, "hetserve_kv_transfer_not_ok_total", reason="transfer_failed") >= 2
     assert total(p, "hetserve_kv_transfer_not_ok_total", reason="transfer_failed", transport="shm") >= 1
+
+
+def test_decode_paces_a_whole_answer_into_one_response_same_tokens(topology):
+    """send_interval_ms (what llm asks for when its client wants one final answer): the decode server sends the
+    stream's tokens together instead of one response per step; the tokens are the same."""
+    from hetserve.client import generate
+
+    base = dict(op="generate", input_ids=[1, 100, 200, 300, 400], output_ids=[42], kv_sent=False, max_tokens=24,
+                ignore_eos=True)
+    every = generate(topology.decode_grpc, None, model="decode", request_id="pace-every", **base)
+    paced = generate(topology.decode_grpc, None, model="decode", request_id="pace-paced", send_interval_ms=10000,
+                     **base)
+    assert len(every.token_ids) == 23 and paced.token_ids == every.token_ids
+    assert paced.finish_reason == every.finish_reason == "length"
+    assert paced.chunks == 1 and every.chunks >= 3, (paced.chunks, every.chunks)

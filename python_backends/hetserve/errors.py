@@ -42,6 +42,11 @@ STATUS: Dict[str, tuple] = {
 KIND_OF_TRITON_CODE = {"INVALID_ARG": BAD_INPUT, "UNAVAILABLE": OVERLOADED, "INTERNAL": INTERNAL}
 
 ERROR_OUTPUT = "error"  # the output tensor (BYTES, one element: to_wire()) of a streamed error
+# Request parameter (bool) of a client that reads a decoupled model's responses from a gRPC stream: it wants the
+# typed error as data before the final Triton error even when it asked for one final answer (stream=false), as
+# Triton's streaming gRPC keeps no status code. Without it a single-response request gets the Triton error alone
+# (Triton's HTTP /generate takes exactly one response).
+ERROR_DATA_PARAM = "hetserve_error_data"
 DEFAULT_RETRY_S = 1.0
 
 

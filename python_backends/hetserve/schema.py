@@ -113,6 +113,9 @@ _INPUTS = [
           doc="decode: the request id the KV was sent under, when it is not this request's (a choice of n)"),
     Input("kv_shares", "INT32", SCALAR, 1, (1, MAX_CHOICES),
           doc="decode: how many choices fork the KV sent under kv_key (copy on write in the block pool)"),
+    Input("send_interval_ms", "INT32", SCALAR, 0, (0, 10000),
+          doc="decode: send a stream's tokens at most this often (the last at once); 0: every step. The "
+              "orchestrator asks for it when its client wants one final response (stream=false)"),
 ]
 INPUTS: Dict[str, Input] = {i.name: i for i in _INPUTS}
 assert len(INPUTS) == len(_INPUTS), "an input is defined twice"
@@ -137,7 +140,8 @@ MODELS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
                  "kv_dtype", "skip_transfer", "prefix_cache", "num_return_sequences", "return_prompt_log_probs")
                 + SAMPLING, ()),
     "decode": (("op", "request_id", "kv_header", "kv_payload", "ingest_token", "input_ids",
-                "output_ids", "precision", "kv_sent", "kv_key", "kv_shares") + SAMPLING + CHOICE, ()),
+                "output_ids", "precision", "kv_sent", "kv_key", "kv_shares", "send_interval_ms") + SAMPLING + CHOICE,
+               ()),
     "kv_ingest": (("op", "request_id", "kv_header", "kv_payload", "kv_remote"), ()),
 }
 

@@ -169,7 +169,8 @@ class Frontend:
                          presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
                          repetition_penalty=r.repetition_penalty, logit_bias=dict(r.logit_bias or {}),
                          return_log_probs=want_lp or best_of > r.n, top_logprobs=top, num_return_sequences=best_of,
-                         guided_decoding_guide_type=guide_type, guided_decoding_guide=guide)
+                         guided_decoding_guide_type=guide_type, guided_decoding_guide=guide,
+                         stream=bool(r.stream))
         return gen, Shape(chat, r.n, best_of, want_lp, top)
 
     def chat_request(self, body) -> tuple:

@@ -25,6 +25,9 @@ from .schema import ApiError, GenRequest
 
 log = logging.getLogger("hetserve.openai")
 
+# The longest a whole answer may take per token it may hold: a decode step slower than this is broken, not slow.
+WHOLE_ANSWER_S_PER_TOKEN = 1.0
+
 
 @dataclass
 class Delta:
@@ -101,12 +104,17 @@ class TritonLLM:
         Triton request."""
         done = asyncio.Event()
         request = {"model_name": self.model, "inputs": build_inputs(None, **req.params()),
-                   "request_id": req.request_id, "enable_empty_final_response": True}
+                   "request_id": req.request_id, "enable_empty_final_response": True,
+                   "parameters": {errors.ERROR_DATA_PARAM: True}}  # typed errors also for whole answers
 
         async def requests():
             yield request
             await done.wait()  # keep our half of the stream open until the answer is complete
 
+        # a whole answer (stream=false) arrives in one response after every token: bounded by the generation's
+        # length (llm moves a decode stream silent for HETSERVE_DECODE_STEP_TIMEOUT_S, so it answers well before)
+        wait_s = self.step_timeout_s if req.stream or req.num_return_sequences > 1 else \
+            self.step_timeout_s + req.max_tokens * WHOLE_ANSWER_S_PER_TOKEN
         with self.admission:
             try:
                 it = self.client().stream_infer(requests())
@@ -116,9 +124,9 @@ class TritonLLM:
             try:
                 while True:
                     try:
-                        result, err = await asyncio.wait_for(it.__anext__(), self.step_timeout_s)
+                        result, err = await asyncio.wait_for(it.__anext__(), wait_s)
                     except asyncio.TimeoutError:
-                        raise ApiError(504, f"no response from {self.model} for {self.step_timeout_s:.0f}s",
+                        raise ApiError(504, f"no response from {self.model} for {wait_s:.0f}s",
                                        "server_error", code="timeout") from None
                     except StopAsyncIteration:
                         raise classify("stream ended before the final response", call_failed=True) from None

@@ -291,11 +291,15 @@ class GenRequest:
     guided_decoding_guide_type: str = ""
     guided_decoding_guide: str = ""
     return_prompt_log_probs: bool = False
+    # false: llm answers once, at the end (decode then sends its tokens in batches, far fewer messages on every
+    # hop); the choices of n > 1 always stream (each response names its choice)
+    stream: bool = True
 
     def params(self) -> dict:
         """Keyword arguments for hetserve.client.build_inputs (inputs at their defaults left out)."""
         p = dict(input_ids=self.input_ids, max_tokens=self.max_tokens, temperature=self.temperature,
-                 top_p=self.top_p, top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos, stream=True)
+                 top_p=self.top_p, top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos,
+                 stream=self.stream or self.num_return_sequences > 1)
         if self.stop:
             p["stop"] = self.stop
         for name, default in (("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),

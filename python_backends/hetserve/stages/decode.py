@@ -24,7 +24,7 @@ import numpy as np
 from .. import errors, schema
 from ..errors import INTERNAL, Overloaded, RequestError, kind_of_exception
 from ..kv import wire
-from ..sampling import MAX_CHOICES, is_stop_token
+from ..sampling import MAX_CHOICES, TokenLogprobs, is_stop_token
 from ..scheduler import Sequence
 from .types import DecodeCall, Metrics, NoMetrics, Reply
 
@@ -111,8 +111,68 @@ def call_from_tensors(t: schema.Tensors) -> DecodeCall:
         kv_sent=bool(schema.scalar(t, "kv_sent", schema.INPUTS["kv_sent"].default)),
         kv_key=schema.scalar(t, "kv_key", None, str) or None,
         kv_shares=schema.scalar(t, "kv_shares", schema.INPUTS["kv_shares"].default, int),
+        send_interval_s=schema.scalar(t, "send_interval_ms", 0, int) / 1e3,
         kv_header=None if raw is None or raw.size == 0 else bytes(raw.reshape(-1)[0]),
         kv_payload=t.get("kv_payload"), ingest_token=schema.scalar(t, "ingest_token", "", str) or "")
+
+
+class PacedReply:
+    """A Reply that answers no more often than every `interval_s` (the request's send_interval_ms): tokens
+    gather here between sends and go out with the next send, the final one at once; the scheduler's per-token
+    cancellation check reaches the adapter at the same pace (the adapter still asks right before every send, the
+    check Triton 2.51's cancellation race needs, docs/reliability.md). For a client that wants one final answer
+    this turns ~2 IPC round trips per token in the decode stub (send + is_cancelled), one gRPC message and the
+    orchestrator's per-message work into a few per request. A migrated stream resumes after the tokens sent,
+    so up to one interval of tokens is generated again, identically (sampling is keyed by seed and step)."""
+
+    def __init__(self, inner: Reply, interval_s: float, clock: Callable[[], float] = time.monotonic):
+        self.inner, self.interval_s, self.clock = inner, interval_s, clock
+        self._ids: list = []
+        self._logprobs: Optional[TokenLogprobs] = None
+        self._sent_at = self._asked_at = clock()
+        self._cancelled = False
+        self._lock = threading.Lock()  # the scheduler's thread; error() may come from an admission thread
+
+    def _take(self, token_ids, logprobs):
+        ids, lps = self._ids + list(token_ids), self._logprobs
+        if logprobs is not None:
+            if lps is None:
+                lps = TokenLogprobs()
+            lps.extend(logprobs)
+        self._ids, self._logprobs = [], None
+        return ids, lps
+
+    def tokens(self, token_ids, finish_reason=None, final=False, logprobs=None) -> None:
+        with self._lock:
+            now = self.clock()
+            if not final and now - self._sent_at < self.interval_s:
+                self._ids.extend(token_ids)
+                if logprobs is not None:
+                    if self._logprobs is None:
+                        self._logprobs = TokenLogprobs()
+                    self._logprobs.extend(logprobs)
+                return
+            ids, lps = self._take(token_ids, logprobs)
+            self._sent_at = now
+        self.inner.tokens(ids, finish_reason, final, lps)
+
+    def json(self, obj: dict) -> None:
+        self.inner.json(obj)
+
+    def error(self, exc: BaseException) -> None:
+        with self._lock:  # tokens held back go first: a migration resumes after them
+            ids, lps = self._take([], None)
+        if ids:
+            self.inner.tokens(ids, None, False, lps)
+        self.inner.error(exc)
+
+    def cancelled(self) -> bool:
+        now = self.clock()
+        if self._cancelled or now - self._asked_at < self.interval_s:
+            return self._cancelled
+        self._asked_at = now
+        self._cancelled = bool(self.inner.cancelled())
+        return self._cancelled
 
 
 @dataclass
@@ -221,11 +281,16 @@ class DecodeStage:
         params.check_vocab(self.cfg.vocab_size)
         if not 1 <= call.kv_shares <= MAX_CHOICES:
             raise RequestError(f"kv_shares must be in [1, {MAX_CHOICES}]")
+        lo, hi = schema.INPUTS["send_interval_ms"].bound or (0, 0)
+        if not lo <= call.send_interval_s * 1e3 <= hi:
+            raise RequestError(f"send_interval_ms must be in [{lo}, {hi}], got {call.send_interval_s * 1e3:g}")
         prec = self._precision(call.precision)
         if len(out_ids) >= params.max_tokens or is_stop_token(out_ids[-1], params, self.cfg.eos_token_ids):
             reply.tokens([], "length", final=True)
             self.pending.take(call.kv_key or rid, 0, call.kv_shares)
             return
+        if call.send_interval_s > 0:
+            reply = PacedReply(reply, call.send_interval_s)
         self.admit.submit(self._admit, call, prec, reply)
 
     # ---- admin side channel (admin_channel.py; `hetserve doctor`) -------------------------------------------

@@ -105,6 +105,7 @@ class GrpcDecodeStream:
                            output_ids=req.output_ids, precision=req.precision,
                            kv_sent=None if req.kv_sent else False, kv_key=req.kv_key,
                            kv_shares=req.kv_shares if req.kv_shares > 1 else None,
+                           send_interval_ms=round(req.send_interval_s * 1e3) if req.send_interval_s > 0 else None,
                            **dict(schema.sampling_arrays(req.params, choice=True)))
         request = {"model_name": "decode", "inputs": ins, "request_id": req.request_id,
                    "enable_empty_final_response": True}

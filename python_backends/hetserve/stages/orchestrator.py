@@ -46,6 +46,8 @@ class OrchestratorConfig:
     step_timeout_s: float = 30.0   # a decode server silent this long is treated as dead (migrate)
     max_migrations: int = 3        # moves per request before giving up
     max_choice_threads: int = 64   # threads decoding the extra choices of n > 1 requests, all requests together
+    # a client that wants one final answer: decode sends its tokens at most this often (stages/decode.PacedReply)
+    whole_answer_send_interval_s: float = 0.2
 
 
 def internal_request_id(client_id: str) -> str:
@@ -98,6 +100,10 @@ class _GroupSink:
     @finish_reason.setter
     def finish_reason(self, value: Optional[str]) -> None:
         self._s.finish_reason = value
+
+    @property
+    def streaming(self) -> bool:
+        return self._s.streaming
 
     def push(self, token_ids, reason=None, logprobs=None) -> bool:
         return self._s.push(token_ids, reason, logprobs) and not self._g.cancelled()
@@ -162,7 +168,9 @@ class Orchestrator:
                     self.decode.release(member, rid)  # no decode for it: free the KV pushed to decode
                 return
             self._decode(sink, DecodeRequest(rid, list(req.prompt), [first], req.params, req.precision,
-                                             kv_sent=res.transfer_ok), lease)
+                                             kv_sent=res.transfer_ok,
+                                             send_interval_s=0.0 if sink.streaming
+                                             else self.config.whole_answer_send_interval_s), lease)
         except Exception as e:
             from ..reliability import BreakerOpen
 

@@ -65,6 +65,7 @@ class DecodeRequest:
     kv_sent: bool = True             # false: do not wait for transferred KV, recompute at once
     kv_key: Optional[str] = None     # a choice of n: the request id the shared KV was sent under
     kv_shares: int = 1               # ... and how many choices fork it
+    send_interval_s: float = 0.0     # decode sends tokens at most this often (0: every step; a whole answer)
 
 
 @dataclass
@@ -99,8 +100,12 @@ class DecodeClient(Protocol):
 
 class TokenSink(Protocol):
     """Where generated tokens go (the adapter detokenises and answers the client). push() returns False once
-    generation should stop (stop string, final reason); finish_reason is set once the stream is closed."""
+    generation should stop (stop string, final reason); finish_reason is set once the stream is closed.
+    streaming False: the client gets one final answer, so decode may send tokens in batches (send_interval)."""
     finish_reason: Optional[str]
+
+    @property
+    def streaming(self) -> bool: ...
 
     def push(self, token_ids: List[int], reason: Optional[str] = None,
              logprobs: Optional[TokenLogprobs] = None) -> bool: ...
@@ -165,6 +170,7 @@ class DecodeCall:
     kv_sent: bool = True
     kv_key: Optional[str] = None      # the KV was sent under this id (a choice of n), not request_id
     kv_shares: int = 1                # choices forking that KV
+    send_interval_s: float = 0.0      # answer no more often than this (PacedReply); 0: every step
     kv_header: Optional[bytes] = None
     kv_payload: Optional[np.ndarray] = None
     ingest_token: str = ""

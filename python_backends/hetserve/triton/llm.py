@@ -11,11 +11,13 @@ and gRPC streaming clients want for TTFT; hetserve's own clients always ask for 
 Errors (hetserve.errors) end the stream typed: with stream=true a response carrying the error as data (kind,
 message, where, retry_after_s) precedes the final Triton error, whose code is the kind's (bad input
 INVALID_ARG, refusals UNAVAILABLE with a "retry after N s" hint, our failures INTERNAL, logged here with the
-request id).
+request id). A stream=false client that reads responses from a gRPC stream (the OpenAI frontend) sets the request
+parameter errors.ERROR_DATA_PARAM to get the typed error as data too.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import threading
 from typing import Optional
@@ -65,6 +67,18 @@ def _wants_stream(r) -> bool:
         return bool(schema.scalar(tensors_of(r, "llm"), "stream", schema.INPUTS["stream"].default))
     except (ValueError, TypeError, errors.HetserveError):  # a malformed `stream` input: answer once
         return False
+
+
+def _wants_error_data(r) -> bool:
+    """The client reads a stream and wants typed errors as data (request parameter errors.ERROR_DATA_PARAM)."""
+    try:
+        return json.loads(r.parameters() or "{}").get(errors.ERROR_DATA_PARAM) is True
+    except (ValueError, AttributeError):  # unreadable parameters: the plain single answer
+        return False
+
+
+def _errors_as_data(r) -> bool:
+    return _wants_stream(r) or _wants_error_data(r)
 
 
 class BlsPrefill:
@@ -157,9 +171,13 @@ class TritonPythonModel:
             "hetserve_kv_transport_fallbacks_total", requested=req, used=used, reason=why))
         self._pool_metrics(self.pool.snapshot())
         self.decode_client = GrpcDecodeClient()
+        step_timeout_s = float(config.get("HETSERVE_DECODE_STEP_TIMEOUT_S"))
         self.stage = Orchestrator(
             BlsPrefill(), self.decode_client, self.pool, breaker, self.cfg.eos_token_ids,
-            OrchestratorConfig(step_timeout_s=float(config.get("HETSERVE_DECODE_STEP_TIMEOUT_S")),
+            OrchestratorConfig(step_timeout_s=step_timeout_s,
+                               # well inside the step timeout: a paced stream must not look stalled
+                               whole_answer_send_interval_s=min(config.get("HETSERVE_WHOLE_ANSWER_SEND_MS") / 1e3,
+                                                                step_timeout_s / 4),
                                max_migrations=int(config.get("HETSERVE_MAX_MIGRATIONS"))),
             metrics=REGISTRY)
         tokenizer()
@@ -203,6 +221,7 @@ class TritonPythonModel:
                 cls = Sink if streaming else WholeAnswer
                 streamer = cls(ChoiceSender(sender, n) if n > 1 else sender, tokenizer(), params,
                                self.cfg.eos_token_ids, model="llm")
+                streamer.error_data = _wants_error_data(r)
                 precision = schema.scalar(t, "decode_precision", None, str) or self.default_precision
                 transport = schema.scalar(t, "transport", None, str) or None
                 kv_dtype = schema.scalar(t, "kv_dtype", None, str) or None
@@ -221,7 +240,7 @@ class TritonPythonModel:
             if streamer is not None:
                 streamer.fail(e)
             else:
-                send_error(sender, e, as_data=_wants_stream(r))
+                send_error(sender, e, as_data=_errors_as_data(r))
 
     def _run(self, r, sender):
         try:
@@ -237,7 +256,7 @@ class TritonPythonModel:
             if not self._slots.acquire(blocking=False):
                 send_error(sender, Overloaded(f"llm busy: {self.max_inflight} requests in flight "
                                               "(HETSERVE_LLM_MAX_INFLIGHT)", where="llm"),
-                           as_data=_wants_stream(r))
+                           as_data=_errors_as_data(r))
                 continue
             self._workers.submit(self._run, r, sender)
         return None

@@ -108,9 +108,10 @@ class TextStreamer:
             self._send("", [], final=True)
 
     streaming = True  # one response per step; WholeAnswer-style subclasses answer once
+    error_data = False  # errors also as data for a single-answer request (the client set errors.ERROR_DATA_PARAM)
 
     def fail(self, exc: BaseException):
         """End the stream with `exc` (typed, hetserve.errors): as data first when streaming, then the final Triton
         error of its kind."""
         self.finish_reason = "error"
-        send_error(self.sender, exc, as_data=self.streaming)
+        send_error(self.sender, exc, as_data=self.streaming or self.error_data)
