@@ -31,6 +31,29 @@ class Clock:
         return self.t
 
 
+def test_breaker_opens_exactly_when_the_window_p99_exceeds_the_threshold():
+    """The breaker counts samples over the threshold instead of sorting the window per request; it must open on
+    the same request the sorted p99 (numpy, linear interpolation) first exceeds it, samples expiring included."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        clk = Clock()
+        b = CircuitBreaker(p99_threshold_s=0.5, window_s=5.0, min_samples=int(rng.integers(1, 30)), clock=clk)
+        p_slow = float(rng.choice([0.0, 0.005, 0.01, 0.02, 0.05]))
+        window = []
+        for _ in range(int(rng.integers(1, 600))):
+            clk.t += float(rng.exponential(0.02))
+            lat = float(rng.uniform(0.5, 3.0)) if rng.random() < p_slow else float(rng.uniform(0.0, 0.5))
+            window = [(t, x) for t, x in window + [(clk.t, lat)] if clk.t - t <= 5.0]
+            want = len(window) >= b.min_samples and np.percentile([x for _, x in window], 99) > 0.5
+            b.record(lat)
+            if b.state == OPEN:
+                assert want, (trial, len(window))
+                break
+            assert not want, (trial, len(window))
+
+
 def test_breaker_opens_on_p99_rejects_then_half_open_probe_closes():
     clk = Clock()
     states = []
