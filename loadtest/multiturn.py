@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Multi-turn conversations against the real stack (issue 29's workload): what today's routing costs per turn.
+
+Starts 1 prefill + N decode tritonservers (cluster.LocalCluster, as `hetserve up --decode-servers N` does) and
+the OpenAI frontend, then runs conversations that arrive as a Poisson process (--rate per second), each turn a
+streaming chat request sent when the previous answer is complete, the answer appended to the history:
+  rag   turn 1: a shared system prompt + a ~1,300-token document + a question; turns 2..T: short follow-ups
+  chat  every turn a user message of 100-300 tokens: the history grows to ~2k tokens by turn 4
+Per request: TTFT and TPOT from the SSE chunks the client sees, prompt tokens from the usage chunk. Per run: the
+prefill server's counters over the run (KV bytes sent to decode, prefix-cache hit tokens, prompts prefilled),
+so the KV bytes moved per request and the prefix hit rate come from the servers, not from a model of them.
+
+    python3 loadtest/multiturn.py --conversations 12 --rate 0.1 --json /tmp/multiturn.json   # this 2-core box
+    python3 loadtest/multiturn.py --decode-servers 2 --turns 4 --max-tokens 32
+
+Report: TTFT p50/p99 and TPOT p50 by kind and turn (1 vs >= 2), goodput (share of requests with TTFT <= --slo-ttft
+and TPOT <= --slo-tpot), KV bytes per request, prefix hit tokens per prompt token. Text is seeded word salad from
+a fixed vocabulary (the numbers depend on token counts, not on meaning); greedy answers with ignore_eos, so every
+answer has --max-tokens tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python_backends"))
+
+WORDS = ("the of and to in is was for on that with as by at from it an be this which or are were has have had not "
+         "but all its their more one two new other some time system data model server memory network cache power "
+         "energy river valley mountain city harbour market report study result method value table figure index "
+         "north south east west early late small large high low first last long short open closed public local "
+         "water light stone iron glass paper cotton grain trade route bridge tower castle church school garden "
+         "season winter summer spring autumn morning evening council treaty battle army fleet king queen law").split()
+SYSTEM = ("You are a careful assistant for an engineering team. Answer from the documents and the conversation, "
+          "say when something is not in them, keep answers short, and cite the section a fact comes from. ") * 3
+COUNTERS = ("hetserve_kv_transfer_bytes_total", "hetserve_kv_prefix_hit_tokens_total",
+            "hetserve_prefill_requests_total", "hetserve_kv_prefix_lookups_total", "hetserve_kv_prefix_hits_total")
+
+
+def words(rng: random.Random, n: int) -> str:
+    out = []
+    for i in range(n):
+        w = rng.choice(WORDS)
+        out.append(w.capitalize() + "." if i % 17 == 16 else w)
+    return " ".join(out)
+
+
+def conversation(rng: random.Random, kind: str, turns: int) -> List[str]:
+    """The user messages of one conversation."""
+    if kind == "rag":
+        doc = words(rng, 1000)
+        msgs = [f"Document:\n{doc}\n\nQuestion: what does the document say about the {rng.choice(WORDS)}?"]
+        msgs += [f"And what about the {rng.choice(WORDS)} {rng.choice(WORDS)}?" for _ in range(turns - 1)]
+        return msgs
+    return [words(rng, rng.randint(80, 230)) + "?" for _ in range(turns)]
+
+
+def scrape(port: int) -> Dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    tot: Dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m and m.group(1) in COUNTERS:
+            tot[m.group(1)] = tot.get(m.group(1), 0.0) + float(m.group(3))
+    return tot
+
+
+def pct(xs: List[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def turn(client, model: str, messages: list, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    times, text, usage = [], [], None
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage
+        if ch.choices and ch.choices[0].delta.content:
+            times.append(time.perf_counter())
+            text.append(ch.choices[0].delta.content)
+    return {"ttft_s": times[0] - t0 if times else float("nan"),
+            "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan"),
+            "prompt_tokens": usage.prompt_tokens if usage else 0, "text": "".join(text)}
+
+
+async def run_all(a, url: str) -> List[dict]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    rng = random.Random(a.seed)
+    plans = [(("rag", "chat")[i % 2], conversation(rng, ("rag", "chat")[i % 2], a.turns))
+             for i in range(a.conversations)]
+    arrivals, t = [], 0.0
+    for _ in plans:
+        arrivals.append(t)
+        t += rng.expovariate(a.rate)
+    results: List[dict] = []
+    start = time.perf_counter()
+
+    async def converse(ci: int, kind: str, users: List[str]) -> None:
+        await asyncio.sleep(max(0.0, start + arrivals[ci] - time.perf_counter()))
+        messages = [{"role": "system", "content": SYSTEM}]
+        for ti, u in enumerate(users):
+            messages.append({"role": "user", "content": u})
+            r = await turn(client, model, messages, a.max_tokens)
+            messages.append({"role": "assistant", "content": r.pop("text")})
+            results.append({"conversation": ci, "kind": kind, "turn": ti + 1, **r})
+    await asyncio.gather(*(converse(i, k, u) for i, (k, u) in enumerate(plans)))
+    await client.close()
+    return results
+
+
+def report(a, results: List[dict], counters: Dict[str, float], wall_s: float) -> dict:
+    def group(rows):
+        ttft = [r["ttft_s"] for r in rows]
+        tpot = [r["tpot_s"] for r in rows if r["tpot_s"] == r["tpot_s"]]
+        good = sum(1 for r in rows if r["ttft_s"] <= a.slo_ttft and r["tpot_s"] <= a.slo_tpot)
+        return {"n": len(rows), "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+                "tpot_p50_ms": 1e3 * pct(tpot, 50), "goodput_share": good / len(rows) if rows else float("nan"),
+                "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in rows) if rows else 0}
+    out: Dict[str, dict] = {}
+    for kind in ("rag", "chat", "all"):
+        rows = [r for r in results if kind == "all" or r["kind"] == kind]
+        out[kind] = {"turn 1": group([r for r in rows if r["turn"] == 1]),
+                     "turns >= 2": group([r for r in rows if r["turn"] >= 2])}
+    n = len(results)
+    prompt_tokens = sum(r["prompt_tokens"] for r in results)
+    return {"groups": out, "requests": n, "wall_s": wall_s,
+            "goodput_req_per_s": sum(1 for r in results if r["ttft_s"] <= a.slo_ttft and r["tpot_s"] <= a.slo_tpot)
+            / wall_s,
+            "kv_bytes_per_request": counters.get("hetserve_kv_transfer_bytes_total", 0.0) / max(n, 1),
+            "prefix_hit_tokens_per_prompt_token":
+                counters.get("hetserve_kv_prefix_hit_tokens_total", 0.0) / max(prompt_tokens, 1),
+            "prefill_requests": counters.get("hetserve_prefill_requests_total", 0.0),
+            "counters": counters, "load": os.getloadavg(),
+            "settings": {k: v for k, v in vars(a).items() if k != "json"}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine-dir", default=str(ROOT / ".hetserve" / "engines"))
+    ap.add_argument("--decode-servers", type=int, default=2)
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--rate", type=float, default=0.1, help="conversations starting per second (Poisson)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--slo-ttft", type=float, default=0.5, help="goodput: TTFT bound, s")
+    ap.add_argument("--slo-tpot", type=float, default=0.1, help="goodput: TPOT bound, s")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base-port", type=int, default=24000)
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args(argv)
+
+    from hetserve.cluster import LocalCluster
+    from hetserve.engines.builder import build_engines
+    from hetserve.openai_api.process import FrontendProcess, FrontendSpec
+
+    build_engines(None, a.engine_dir)
+    cluster = LocalCluster(a.engine_dir, base_port=a.base_port, n_decode=a.decode_servers,
+                           env={"HETSERVE_BREAKER_P99_MS": "600000"})
+    fe = None
+    try:
+        cluster.start(300)
+        fe = FrontendProcess(FrontendSpec(cluster.prefill_grpc, a.base_port + 80, a.engine_dir))
+        fe.start().wait_ready(180)
+        before = scrape(a.base_port + 2)
+        t0 = time.perf_counter()
+        results = asyncio.run(run_all(a, fe.spec.url))
+        wall = time.perf_counter() - t0
+        after = scrape(a.base_port + 2)
+        rep = report(a, results, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}, wall)
+        for kind, g in rep["groups"].items():
+            for name, s in g.items():
+                print(f"{kind:5s} {name:10s} n={s['n']:3d}  TTFT p50 {s['ttft_p50_ms']:7.0f} ms  p99 "
+                      f"{s['ttft_p99_ms']:7.0f} ms  TPOT p50 {s['tpot_p50_ms']:6.1f} ms  goodput "
+                      f"{100 * s['goodput_share']:5.1f}%  prompt {s['prompt_tokens_mean']:6.0f} tokens")
+        print(f"KV bytes moved per request {rep['kv_bytes_per_request'] / 1e6:.2f} MB; prefix-cache hit tokens per "
+              f"prompt token {rep['prefix_hit_tokens_per_prompt_token']:.2f}; goodput {rep['goodput_req_per_s']:.2f} "
+              f"req/s over {wall:.0f} s; load {rep['load']}")
+        if a.json:
+            Path(a.json).write_text(json.dumps({"report": rep, "requests": results}, indent=1))
+        return 0
+    finally:
+        if fe is not None:
+            fe.stop()
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
