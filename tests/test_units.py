@@ -228,3 +228,18 @@ def test_int8_decode_teacher_forced_agreement(engine_dir, prompt_ids, reference_
         print(f"\n{n} teacher-forced agreement with reference: {agree / total:.3f} ({agree}/{total})")
         assert agree / total >= 0.90
     assert got["decode_int8_native"][0] >= got["decode_int8"][0] - 3
+
+
+def test_python_env_dirs_left_by_killed_servers_are_swept_only_when_no_tritonserver_runs(tmp_path):
+    """Triton's python backend leaves /tmp/python_env_XXXXXX behind a killed server; the launcher removes the
+    empty ones once no tritonserver runs on the machine, never a non-empty one or anything else."""
+    from hetserve.server import sweep_python_envs
+
+    (tmp_path / "python_env_aaaaaa").mkdir()
+    (tmp_path / "python_env_bbbbbb").mkdir()
+    (tmp_path / "python_env_bbbbbb" / "env.tar.gz").write_bytes(b"x")
+    (tmp_path / "other_dir").mkdir()
+    assert sweep_python_envs(tmp_path, alive=lambda: True) == []
+    assert (tmp_path / "python_env_aaaaaa").exists()
+    assert sweep_python_envs(tmp_path, alive=lambda: False) == ["python_env_aaaaaa"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_dir", "python_env_bbbbbb"]

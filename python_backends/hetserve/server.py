@@ -29,7 +29,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 from . import config
 from .admin_key import (  # noqa: F401  (re-exported: the launcher's callers use them from here)
@@ -182,6 +182,45 @@ def sweep_stale_shm(min_age_s: float = 30.0) -> List[str]:
             continue
     if removed:
         log.info("removed %d stale shared-memory region(s) from /dev/shm", len(removed))
+    return removed
+
+
+PYTHON_ENV_GLOB = "python_env_*"  # Triton's python backend: /tmp/python_env_XXXXXX per server (hard-coded path)
+
+
+def _tritonserver_alive() -> bool:
+    """Some tritonserver process (ours or not) is running on this machine."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv0 = f.read().split(b"\0", 1)[0]
+        except OSError:
+            continue
+        if argv0.endswith(b"tritonserver"):
+            return True
+    return False
+
+
+def sweep_python_envs(tmp: Path = Path("/tmp"), alive: Optional[Callable[[], bool]] = None) -> List[str]:
+    """Remove the empty python_env_* directories Triton's python backend left in /tmp: it makes one per server and
+    removes it only on a clean shutdown, so every killed server leaves one. Only while no tritonserver runs on
+    this machine (a live server's directory is not told apart from a dead one's, and removing it would make the
+    backend's destructor throw at exit); only empty ones (an extracted EXECUTION_ENV_PATH is not ours to drop)
+    and only our own."""
+    if (alive or _tritonserver_alive)():
+        return []
+    removed = []
+    for p in tmp.glob(PYTHON_ENV_GLOB):
+        try:
+            if p.is_dir() and p.stat().st_uid == os.geteuid():
+                p.rmdir()  # fails on a non-empty directory: left alone
+                removed.append(p.name)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d python_env directories left in %s by stopped tritonservers", len(removed), tmp)
     return removed
 
 
@@ -525,6 +564,7 @@ class TritonProcess:
         self._close_log()
         self._remove_shm()
         CHILDREN.forget(self)
+        sweep_python_envs()  # the last server of the machine to stop clears what killed ones left
 
     def _close_log(self) -> None:
         if self._log:
