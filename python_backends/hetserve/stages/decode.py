@@ -133,26 +133,25 @@ class PacedReply:
         self._cancelled = False
         self._lock = threading.Lock()  # the scheduler's thread; error() may come from an admission thread
 
-    def _take(self, token_ids, logprobs):
-        ids, lps = self._ids + list(token_ids), self._logprobs
+    def _hold(self, token_ids, logprobs) -> None:
+        self._ids.extend(token_ids)
         if logprobs is not None:
-            if lps is None:
-                lps = TokenLogprobs()
-            lps.extend(logprobs)
+            if self._logprobs is None:
+                self._logprobs = TokenLogprobs()
+            self._logprobs.extend(logprobs)
+
+    def _take(self):
+        ids, lps = self._ids, self._logprobs
         self._ids, self._logprobs = [], None
         return ids, lps
 
     def tokens(self, token_ids, finish_reason=None, final=False, logprobs=None) -> None:
         with self._lock:
+            self._hold(token_ids, logprobs)
             now = self.clock()
             if not final and now - self._sent_at < self.interval_s:
-                self._ids.extend(token_ids)
-                if logprobs is not None:
-                    if self._logprobs is None:
-                        self._logprobs = TokenLogprobs()
-                    self._logprobs.extend(logprobs)
                 return
-            ids, lps = self._take(token_ids, logprobs)
+            ids, lps = self._take()
             self._sent_at = now
         self.inner.tokens(ids, finish_reason, final, lps)
 
@@ -161,7 +160,7 @@ class PacedReply:
 
     def error(self, exc: BaseException) -> None:
         with self._lock:  # tokens held back go first: a migration resumes after them
-            ids, lps = self._take([], None)
+            ids, lps = self._take()
         if ids:
             self.inner.tokens(ids, None, False, lps)
         self.inner.error(exc)
