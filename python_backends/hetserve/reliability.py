@@ -105,8 +105,9 @@ class CircuitBreaker:
 
     def p99(self) -> Optional[float]:
         self._expire()
-        if len(self._samples) < self.min_samples:
-            return None
+        return self._window_p99() if len(self._samples) >= self.min_samples else None
+
+    def _window_p99(self) -> float:
         return float(np.percentile([s for _, s in self._samples], 99))
 
     def _p99_over(self) -> Optional[float]:
@@ -118,8 +119,8 @@ class CircuitBreaker:
         n = len(self._samples)
         if n < self.min_samples or self._over < n - math.ceil(0.99 * (n - 1)):
             return None
-        p = self.p99()
-        return p if p is not None and p > self.threshold else None
+        p = self._window_p99()
+        return p if p > self.threshold else None
 
     def allow(self) -> None:
         """Raise BreakerOpen when the request must be refused now."""
