@@ -112,6 +112,14 @@ def ingest_token_ok(token: str) -> bool:
     return internal_token_ok(token, INGEST_HOP)
 
 
+def request_parameters(request) -> dict:
+    """The request's parameters (Triton gives them as a JSON object); ValueError when they are not one."""
+    p = json.loads(request.parameters() or "{}")
+    if not isinstance(p, dict):
+        raise ValueError(f"request parameters are not a JSON object: {type(p).__name__}")
+    return p
+
+
 def is_admin(request) -> bool:
     """The request carries the deployment admin key as the request parameter ADMIN_PARAM."""
     import hmac
@@ -119,7 +127,7 @@ def is_admin(request) -> bool:
     from ..server import admin_key
 
     try:
-        given = str(json.loads(request.parameters() or "{}").get(ADMIN_PARAM, ""))
+        given = str(request_parameters(request).get(ADMIN_PARAM, ""))
     except (ValueError, TypeError, AttributeError):  # parameters that are not a JSON object: no key
         given = ""
     return bool(given) and hmac.compare_digest(given, admin_key())

@@ -34,6 +34,7 @@ from .common import (
     engine_dir,
     ingest_token,
     inp,
+    request_parameters,
     respond_each,
     scalar,
     str_tensor,
@@ -46,7 +47,7 @@ log = logging.getLogger("hetserve.kv_ingest")
 def _transport_of(request) -> str:
     """The transport the sender named; 'grpc' for senders that name none (plain tritonclient calls)."""
     try:
-        t = json.loads(request.parameters() or "{}").get(TRANSPORT_PARAM, "grpc")
+        t = request_parameters(request).get(TRANSPORT_PARAM, "grpc")
     except ValueError:
         raise RequestError("malformed request parameters") from None
     if t not in NAMES:

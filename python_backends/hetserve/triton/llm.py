@@ -17,7 +17,6 @@ parameter errors.ERROR_DATA_PARAM to get the typed error as data too.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import threading
 from typing import Optional
@@ -43,6 +42,7 @@ from .common import (
     engine_dir,
     internal_token,
     log_if_ours,
+    request_parameters,
     send_error,
     str_tensor,
     tensors_of,
@@ -72,8 +72,8 @@ def _wants_stream(r) -> bool:
 def _wants_error_data(r) -> bool:
     """The client reads a stream and wants typed errors as data (request parameter errors.ERROR_DATA_PARAM)."""
     try:
-        return json.loads(r.parameters() or "{}").get(errors.ERROR_DATA_PARAM) is True
-    except (ValueError, AttributeError):  # unreadable parameters: the plain single answer
+        return request_parameters(r).get(errors.ERROR_DATA_PARAM) is True
+    except ValueError:  # unreadable parameters: the plain single answer
         return False
 
 
