@@ -33,8 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backends"))
+from openai_stack import DEFAULT_ENGINE_DIR, openai_stack, pct
 
 WORDS = ("the of and to in is was for on that with as by at from it an be this which or are were has have had not "
          "but all its their more one two new other some time system data model server memory network cache power "
@@ -75,11 +74,6 @@ def scrape(port: int) -> Dict[str, float]:
         if m and m.group(1) in COUNTERS:
             tot[m.group(1)] = tot.get(m.group(1), 0.0) + float(m.group(3))
     return tot
-
-
-def pct(xs: List[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
 async def turn(client, model: str, messages: list, max_tokens: int) -> dict:
@@ -155,7 +149,7 @@ def report(a, results: List[dict], counters: Dict[str, float], wall_s: float) ->
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engine-dir", default=str(ROOT / ".hetserve" / "engines"))
+    ap.add_argument("--engine-dir", default=DEFAULT_ENGINE_DIR)
     ap.add_argument("--decode-servers", type=int, default=2)
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--turns", type=int, default=4)
@@ -168,39 +162,25 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
 
-    from hetserve.cluster import LocalCluster
-    from hetserve.engines.builder import build_engines
-    from hetserve.openai_api.process import FrontendProcess, FrontendSpec
-
-    build_engines(None, a.engine_dir)
-    cluster = LocalCluster(a.engine_dir, base_port=a.base_port, n_decode=a.decode_servers,
-                           env={"HETSERVE_BREAKER_P99_MS": "600000"})
-    fe = None
-    try:
-        cluster.start(300)
-        fe = FrontendProcess(FrontendSpec(cluster.prefill_grpc, a.base_port + 80, a.engine_dir))
-        fe.start().wait_ready(180)
+    with openai_stack(a.engine_dir, a.base_port, {"HETSERVE_BREAKER_P99_MS": "600000"},
+                      n_decode=a.decode_servers) as (_, url):
         before = scrape(a.base_port + 2)
         t0 = time.perf_counter()
-        results = asyncio.run(run_all(a, fe.spec.url))
+        results = asyncio.run(run_all(a, url))
         wall = time.perf_counter() - t0
         after = scrape(a.base_port + 2)
-        rep = report(a, results, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}, wall)
-        for kind, g in rep["groups"].items():
-            for name, s in g.items():
-                print(f"{kind:5s} {name:10s} n={s['n']:3d}  TTFT p50 {s['ttft_p50_ms']:7.0f} ms  p99 "
-                      f"{s['ttft_p99_ms']:7.0f} ms  TPOT p50 {s['tpot_p50_ms']:6.1f} ms  goodput "
-                      f"{100 * s['goodput_share']:5.1f}%  prompt {s['prompt_tokens_mean']:6.0f} tokens")
-        print(f"KV bytes moved per request {rep['kv_bytes_per_request'] / 1e6:.2f} MB; prefix-cache hit tokens per "
-              f"prompt token {rep['prefix_hit_tokens_per_prompt_token']:.2f}; goodput {rep['goodput_req_per_s']:.2f} "
-              f"req/s over {wall:.0f} s; load {rep['load']}")
-        if a.json:
-            Path(a.json).write_text(json.dumps({"report": rep, "requests": results}, indent=1))
-        return 0
-    finally:
-        if fe is not None:
-            fe.stop()
-        cluster.stop()
+    rep = report(a, results, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}, wall)
+    for kind, g in rep["groups"].items():
+        for name, st in g.items():
+            print(f"{kind:5s} {name:10s} n={st['n']:3d}  TTFT p50 {st['ttft_p50_ms']:7.0f} ms  p99 "
+                  f"{st['ttft_p99_ms']:7.0f} ms  TPOT p50 {st['tpot_p50_ms']:6.1f} ms  goodput "
+                  f"{100 * st['goodput_share']:5.1f}%  prompt {st['prompt_tokens_mean']:6.0f} tokens")
+    print(f"KV bytes moved per request {rep['kv_bytes_per_request'] / 1e6:.2f} MB; prefix-cache hit tokens per "
+          f"prompt token {rep['prefix_hit_tokens_per_prompt_token']:.2f}; goodput {rep['goodput_req_per_s']:.2f} "
+          f"req/s over {wall:.0f} s; load {rep['load']}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"report": rep, "requests": results}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,8 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backends"))
+from openai_stack import DEFAULT_ENGINE_DIR, openai_stack, pct
 
 SCHEMA = {
     "type": "object",
@@ -44,11 +43,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 PROMPT = "Describe a film you like as JSON with its title, year, genre, cast and rating."
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
 async def one(client, model, schema: bool, max_tokens: int):
@@ -82,7 +76,7 @@ async def window(client, model, schema: bool, streams: int, requests: int, max_t
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engine-dir", default=str(ROOT / ".hetserve" / "engines"))
+    ap.add_argument("--engine-dir", default=DEFAULT_ENGINE_DIR)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--requests", type=int, default=32, help="requests per condition per round")
@@ -91,21 +85,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
 
-    from hetserve.engines.builder import build_engines
-    from hetserve.openai_api.process import FrontendProcess, FrontendSpec
-    from hetserve.topology import Topology
-
-    build_engines(None, a.engine_dir)
-    topo = Topology(a.engine_dir, base_port=a.base_port, env={"HETSERVE_BREAKER_P99_MS": "600000",
-                                                             "HETSERVE_MAX_BATCH": str(max(16, a.streams))})
-    fe = None
-    try:
-        topo.start()
-        fe = FrontendProcess(FrontendSpec(topo.prefill_grpc, a.base_port + 80, a.engine_dir))
-        fe.start().wait_ready(180)
+    env = {"HETSERVE_BREAKER_P99_MS": "600000", "HETSERVE_MAX_BATCH": str(max(16, a.streams))}
+    with openai_stack(a.engine_dir, a.base_port, env, static_decode=True) as (_, url):
         tpot: dict = {False: [], True: []}
         valid = [0, 0]
-        asyncio.run(_rounds(a, fe.spec.url, tpot, valid))  # one event loop: the async client lives in it
+        asyncio.run(_rounds(a, url, tpot, valid))  # one event loop: the async client lives in it
         out = {c: {"p50_ms": 1e3 * pct(tpot[c], 50), "p99_ms": 1e3 * pct(tpot[c], 99),
                    "mean_ms": 1e3 * statistics.mean(tpot[c]), "n": len(tpot[c])} for c in (False, True)}
         report = {"streams": a.streams, "rounds": a.rounds, "max_tokens": a.max_tokens,
@@ -117,10 +101,6 @@ def main(argv=None) -> int:
         if a.json:
             Path(a.json).write_text(json.dumps(report, indent=1))
         return 0
-    finally:
-        if fe is not None:
-            fe.stop()
-        topo.stop()
 
 
 async def _rounds(a, url: str, tpot: dict, valid: list) -> None:
