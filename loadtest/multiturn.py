@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Multi-turn conversations against the real stack (issue 29's workload): what today's routing costs per turn.
+"""Multi-turn conversations against the real stack (issue 29's workload): KV-aware routing against plain
+least-loaded routing, side by side in one run (each in a fresh stack, the same conversations and arrivals).
 
 Starts 1 prefill + N decode tritonservers (cluster.LocalCluster, as `hetserve up --decode-servers N` does) and
 the OpenAI frontend, then runs conversations that arrive as a Poisson process (--rate per second), each turn a
@@ -7,11 +8,12 @@ streaming chat request sent when the previous answer is complete, the answer app
   rag   turn 1: a shared system prompt + a ~1,300-token document + a question; turns 2..T: short follow-ups
   chat  every turn a user message of 100-300 tokens: the history grows to ~2k tokens by turn 4
 Per request: TTFT and TPOT from the SSE chunks the client sees, prompt tokens from the usage chunk. Per run: the
-prefill server's counters over the run (KV bytes sent to decode, prefix-cache hit tokens, prompts prefilled),
-so the KV bytes moved per request and the prefix hit rate come from the servers, not from a model of them.
+servers' counters over the run (KV bytes sent to decode, prefix-cache hit tokens on the prefill server and on
+the decode servers, prompts prefilled on each side), so the KV bytes moved per request and the prefix hit rate
+come from the servers, not from a model of them.
 
     python3 loadtest/multiturn.py --conversations 12 --rate 0.1 --json /tmp/multiturn.json   # this 2-core box
-    python3 loadtest/multiturn.py --decode-servers 2 --turns 4 --max-tokens 32
+    python3 loadtest/multiturn.py --routing on --decode-servers 2 --turns 4 --max-tokens 32
 
 Report: TTFT p50/p99 and TPOT p50 by kind and turn (1 vs >= 2), goodput (share of requests with TTFT <= --slo-ttft
 and TPOT <= --slo-tpot), KV bytes per request, prefix hit tokens per prompt token. Text is seeded word salad from
@@ -44,7 +46,9 @@ WORDS = ("the of and to in is was for on that with as by at from it an be this w
 SYSTEM = ("You are a careful assistant for an engineering team. Answer from the documents and the conversation, "
           "say when something is not in them, keep answers short, and cite the section a fact comes from. ") * 3
 COUNTERS = ("hetserve_kv_transfer_bytes_total", "hetserve_kv_prefix_hit_tokens_total",
-            "hetserve_prefill_requests_total", "hetserve_kv_prefix_lookups_total", "hetserve_kv_prefix_hits_total")
+            "hetserve_prefill_requests_total", "hetserve_kv_prefix_lookups_total", "hetserve_kv_prefix_hits_total",
+            "hetserve_decode_prefix_hit_tokens_total", "hetserve_decode_prefill_tokens_total",
+            "hetserve_prefill_placement_total")
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -65,14 +69,20 @@ def conversation(rng: random.Random, kind: str, turns: int) -> List[str]:
     return [words(rng, rng.randint(80, 230)) + "?" for _ in range(turns)]
 
 
-def scrape(port: int) -> Dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+def scrape(urls: List[str]) -> Dict[str, float]:
+    """COUNTERS summed over the servers (placement split by its `where` label)."""
     tot: Dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m and m.group(1) in COUNTERS:
-            tot[m.group(1)] = tot.get(m.group(1), 0.0) + float(m.group(3))
+    for url in urls:
+        with urllib.request.urlopen(f"http://{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+            if m and m.group(1) in COUNTERS:
+                name = m.group(1)
+                where = re.search(r'where="(\w+)"', m.group(2) or "")
+                if where:
+                    name += "." + where.group(1)
+                tot[name] = tot.get(name, 0.0) + float(m.group(3))
     return tot
 
 
@@ -141,12 +151,42 @@ def report(a, results: List[dict], counters: Dict[str, float], wall_s: float) ->
             / wall_s,
             "kv_bytes_per_request": counters.get("hetserve_kv_transfer_bytes_total", 0.0) / max(n, 1),
             "prefix_hit_tokens_per_prompt_token":
-                counters.get("hetserve_kv_prefix_hit_tokens_total", 0.0) / max(prompt_tokens, 1),
+                (counters.get("hetserve_kv_prefix_hit_tokens_total", 0.0)
+                 + counters.get("hetserve_decode_prefix_hit_tokens_total", 0.0)) / max(prompt_tokens, 1),
+            "prefix_hit_per_tier": {
+                "prefill": counters.get("hetserve_kv_prefix_hit_tokens_total", 0.0) / max(prompt_tokens, 1),
+                "decode": counters.get("hetserve_decode_prefix_hit_tokens_total", 0.0) / max(prompt_tokens, 1)},
             "prefill_requests": counters.get("hetserve_prefill_requests_total", 0.0),
+            "prefilled_on_decode": counters.get("hetserve_prefill_placement_total.decode", 0.0),
             "counters": counters, "load": os.getloadavg(),
             "settings": {k: v for k, v in vars(a).items() if k != "json"}}
 
 
+def one_run(a, routing: bool) -> dict:
+    env = {"HETSERVE_BREAKER_P99_MS": "600000", "HETSERVE_KV_ROUTING": "1" if routing else "0"}
+    with openai_stack(a.engine_dir, a.base_port, env, n_decode=a.decode_servers) as (cluster, url):
+        servers = [f"127.0.0.1:{a.base_port + 2}"] + [cluster.decode_metrics(i) for i in range(a.decode_servers)]
+        before = scrape(servers)
+        t0 = time.perf_counter()
+        results = asyncio.run(run_all(a, url))
+        wall = time.perf_counter() - t0
+        after = scrape(servers)
+    rep = report(a, results, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}, wall)
+    print(f"---- routing {'on (KV-aware)' if routing else 'off (least loaded)'}")
+    for kind, g in rep["groups"].items():
+        for name, st in g.items():
+            print(f"{kind:5s} {name:10s} n={st['n']:3d}  TTFT p50 {st['ttft_p50_ms']:7.0f} ms  p99 "
+                  f"{st['ttft_p99_ms']:7.0f} ms  TPOT p50 {st['tpot_p50_ms']:6.1f} ms  goodput "
+                  f"{100 * st['goodput_share']:5.1f}%  prompt {st['prompt_tokens_mean']:6.0f} tokens")
+    tiers = rep["prefix_hit_per_tier"]
+    print(f"KV bytes moved per request {rep['kv_bytes_per_request'] / 1e6:.2f} MB; prefix hit tokens per prompt "
+          f"token {rep['prefix_hit_tokens_per_prompt_token']:.2f} (prefill {tiers['prefill']:.2f}, decode "
+          f"{tiers['decode']:.2f}); prefilled on decode {rep['prefilled_on_decode']:.0f} of {rep['requests']}; "
+          f"goodput {rep['goodput_req_per_s']:.3f} req/s over {wall:.0f} s; load {rep['load']}")
+    return {"report": rep, "requests": results}
+
+
+def main(argv=None) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine-dir", default=DEFAULT_ENGINE_DIR)
@@ -159,27 +199,31 @@ def main(argv=None) -> int:
     ap.add_argument("--slo-tpot", type=float, default=0.1, help="goodput: TPOT bound, s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-port", type=int, default=24000)
+    ap.add_argument("--routing", choices=("both", "on", "off"), default="both",
+                    help="KV-aware routing on, off (least loaded, every prompt prefilled on the prefill server), or "
+                         "both one after the other (each in a fresh stack)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
 
-    with openai_stack(a.engine_dir, a.base_port, {"HETSERVE_BREAKER_P99_MS": "600000"},
-                      n_decode=a.decode_servers) as (_, url):
-        before = scrape(a.base_port + 2)
-        t0 = time.perf_counter()
-        results = asyncio.run(run_all(a, url))
-        wall = time.perf_counter() - t0
-        after = scrape(a.base_port + 2)
-    rep = report(a, results, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}, wall)
-    for kind, g in rep["groups"].items():
-        for name, st in g.items():
-            print(f"{kind:5s} {name:10s} n={st['n']:3d}  TTFT p50 {st['ttft_p50_ms']:7.0f} ms  p99 "
-                  f"{st['ttft_p99_ms']:7.0f} ms  TPOT p50 {st['tpot_p50_ms']:6.1f} ms  goodput "
-                  f"{100 * st['goodput_share']:5.1f}%  prompt {st['prompt_tokens_mean']:6.0f} tokens")
-    print(f"KV bytes moved per request {rep['kv_bytes_per_request'] / 1e6:.2f} MB; prefix-cache hit tokens per "
-          f"prompt token {rep['prefix_hit_tokens_per_prompt_token']:.2f}; goodput {rep['goodput_req_per_s']:.2f} "
-          f"req/s over {wall:.0f} s; load {rep['load']}")
+    runs = {}
+    for routing in ((False, True) if a.routing == "both" else (a.routing == "on",)):
+        runs["on" if routing else "off"] = one_run(a, routing)
+    if len(runs) == 2:
+        off, on = runs["off"]["report"], runs["on"]["report"]
+
+        def ratio(x, y):
+            return x / y if y else float("inf")
+        t_off, t_on = off["groups"]["all"]["turns >= 2"], on["groups"]["all"]["turns >= 2"]
+        s_off, s_on = off["groups"]["all"]["turn 1"], on["groups"]["all"]["turn 1"]
+        print(f"==== KV-aware vs least-loaded, same run: turns >= 2 TTFT p50 {t_off['ttft_p50_ms']:.0f} -> "
+              f"{t_on['ttft_p50_ms']:.0f} ms ({ratio(t_off['ttft_p50_ms'], t_on['ttft_p50_ms']):.2f}x lower); "
+              f"KV bytes per request {off['kv_bytes_per_request'] / 1e6:.2f} -> {on['kv_bytes_per_request'] / 1e6:.2f}"
+              f" MB ({ratio(off['kv_bytes_per_request'], on['kv_bytes_per_request']):.1f}x lower); goodput "
+              f"{off['goodput_req_per_s']:.3f} -> {on['goodput_req_per_s']:.3f} req/s "
+              f"({ratio(on['goodput_req_per_s'], off['goodput_req_per_s']):.2f}x); turn 1 TTFT p50 "
+              f"{s_off['ttft_p50_ms']:.0f} -> {s_on['ttft_p50_ms']:.0f} ms")
     if a.json:
-        Path(a.json).write_text(json.dumps({"report": rep, "requests": results}, indent=1))
+        Path(a.json).write_text(json.dumps(runs, indent=1))
     return 0
 
 

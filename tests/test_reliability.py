@@ -279,6 +279,53 @@ def _assert_kv_went_over(cluster, transport, before):
     assert _transport_counters(cluster, transport)[1] == before[1], f"requests asking for {transport} fell back"
 
 
+def test_kv_router_follow_up_prefills_on_the_decode_server(cluster, tokenizer):
+    """Issue 29 on real servers (2 decode servers): a conversation's second turn goes to the decode server that
+    holds its first turn (prompt + answer) and is prefilled there from that server's prefix cache: no prefill on
+    the prefill server, no KV bytes moved, the history's tokens counted as decode-side prefix hits on exactly one
+    server, and the greedy tokens equal the aggregated model's (no cache, no routing) on the same prompt."""
+    import uuid
+
+    from hetserve.client import generate
+
+    _pool_healthy(cluster, 2)
+    url = cluster.prefill_grpc
+    system = (f"[{uuid.uuid4().hex[:8]}] You answer questions about rivers, harbours and old trade routes. "
+              "Keep every answer short, cite the section, and say so when the documents do not cover it. ") * 3
+    turn1 = tokenizer.encode(tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                                            {"role": "user", "content": "Where was the harbour?"}]))
+    g1 = generate(url, None, model="llm", input_ids=turn1, max_tokens=16, ignore_eos=True,
+                  decode_precision="fp32", timeout_s=60)
+    follow = tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd the bridge?<|im_end|>\n<|im_start|>assistant\n")
+    turn2 = turn1 + g1.token_ids + follow
+
+    def counters():
+        m = scrape(cluster.prefill_metrics)
+        per_decode = [scrape(cluster.decode_metrics(i)) for i in range(2)]
+        return (total(m, "hetserve_prefill_requests_total"), total(m, "hetserve_kv_transfer_bytes_total"),
+                total(m, "hetserve_prefill_placement_total", where="decode"),
+                [total(d, "hetserve_decode_prefix_hit_tokens_total") for d in per_decode],
+                [total(d, "hetserve_kv_recompute_total", reason="local_prefill") for d in per_decode])
+
+    before = counters()
+    g2 = generate(url, None, model="llm", input_ids=turn2, max_tokens=16, ignore_eos=True, decode_precision="fp32",
+                  timeout_s=60)
+    wait_for(lambda: counters()[2] > before[2], 10, "the follow-up counted as prefilled on a decode server")
+    after = counters()
+    assert after[0] == before[0], "the follow-up was prefilled on the prefill server"
+    assert after[1] == before[1], "KV moved for the follow-up"
+    hits = [a - b for a, b in zip(after[3], before[3])]
+    local = [a - b for a, b in zip(after[4], before[4])]
+    kept = len(turn1) + len(g1.token_ids) - 1
+    assert sorted(local) == [0, 1] and hits[local.index(1)] >= kept // 8 * 8 - 8 and min(hits) == 0, \
+        f"prefix hits {hits}, local prefills {local} (history {kept} tokens)"
+    ref = generate(url, None, model="aggregated", input_ids=turn2, max_tokens=16, ignore_eos=True, timeout_s=60)
+    assert g2.token_ids == ref.token_ids, "a follow-up prefilled from the decode cache changed the greedy tokens"
+    print(f"\nKV router: follow-up of {len(turn2)} tokens prefilled on decode server {local.index(1)} with "
+          f"{hits[local.index(1)]} tokens from its cache; TTFT {1e3 * g2.ttft_s:.0f} ms (turn 1: "
+          f"{1e3 * g1.ttft_s:.0f} ms)")
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids, reference_tokens, transport):
     _pool_healthy(cluster, 2)

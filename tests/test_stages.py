@@ -93,7 +93,7 @@ class FakePool:
     def __init__(self, urls):
         self.urls, self.down, self.leases = list(urls), set(), {u: 0 for u in urls}
 
-    def pick(self, exclude=()):
+    def pick(self, exclude=(), cost=None):  # FAKE: first healthy member; the router's cost is not consulted
         for u in self.urls:
             if u not in self.down and u not in exclude:
                 self.leases[u] += 1
@@ -368,6 +368,11 @@ class FakeScheduler:
 
     def n_running(self):
         return len(self.seqs)
+
+    def new_sampler(self, params, prompt, tokens):
+        from hetserve.sampling import TokenSampler
+
+        return TokenSampler(params, prompt, tokens)
 
     def submit(self, seq):
         self.seqs.append(seq)

@@ -1,6 +1,7 @@
 """Client helpers: stream a generation from the `llm` (or `aggregated`) model over Triton gRPC."""
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import time
@@ -203,3 +204,9 @@ def stream_once(url: str, model: str, inputs, timeout_s: float, request_id: str 
         except Exception as e:  # the stream is already gone: nothing to stop
             logging.getLogger("hetserve.client").debug("stop_stream: %s", e)
         c.close()
+
+
+def decode_json_op(url: str, op: str, timeout_s: float) -> dict:
+    """A decode server op that answers JSON (stats, prefix) over its own gRPC stream."""
+    r = stream_once(url, "decode", build_inputs(None, op=op), timeout_s, op)
+    return json.loads(bytes(r.as_numpy("op_json").reshape(-1)[0]))

@@ -431,9 +431,6 @@ class Autoscaler:
 
 def decode_op(url: str, op: str = "stats", timeout_s: float = 10.0) -> dict:
     """Run a diagnostic op (stats, info) on a decode server and return its JSON answer."""
-    import json
+    from .client import decode_json_op
 
-    from .client import build_inputs, stream_once
-
-    r = stream_once(url, "decode", build_inputs(None, op=op), timeout_s, op)
-    return json.loads(bytes(r.as_numpy("op_json").reshape(-1)[0]))
+    return decode_json_op(url, op, timeout_s)

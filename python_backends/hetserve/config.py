@@ -113,6 +113,18 @@ _VARS: List[Var] = [
     # distinct prompts arriving at once that cut the last first token from ~600-740 ms to ~350-550 ms (one core)
     Var("HETSERVE_PREFIX_BLOCK_TOKENS", int, 8, "prefix cache granularity: only whole blocks of this many tokens "
         "match", min=1, max=256),
+    # ---- KV-aware routing (stages/router.py) ----------------------------------------------------------------
+    Var("HETSERVE_KV_ROUTING", bool, True, "route by the decode servers' prefix caches and prefill short uncached "
+        "suffixes there; 0: least-loaded decode server, every prompt prefilled on the prefill server"),
+    Var("HETSERVE_DECODE_PREFIX_CACHE_MB", float, 512.0, f"each decode server's cache of ended sequences' KV, {_MB}; "
+        "0 disables (and with it local prefill's reuse)", min=0),
+    Var("HETSERVE_ROUTER_LOAD_TOKENS", int, 256, "routing cost of one more stream in flight on a decode server, in "
+        "uncached prompt tokens", min=0),
+    Var("HETSERVE_LOCAL_PREFILL_MAX_TOKENS", int, 512, "prefill on the decode server when it lacks at most this many "
+        "prompt tokens (0: never)", min=0),
+    Var("HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS", int, 64, "... and holds at least this many of them", min=0),
+    Var("HETSERVE_ROUTER_REFRESH_S", float, 2.0, f"how often the router reads each decode server's block list, {_S}",
+        min=0.05),
     # ---- KV transfer ----------------------------------------------------------------------------------------
     Var("HETSERVE_DECODE_URL", str, "127.0.0.1:9001", "decode server(s) gRPC, comma list (\"\": registry/DNS only)"),
     Var("HETSERVE_DECODE_REGISTRY", str, None, "file listing the decode pool (rewritten by the local launcher)"),

@@ -448,8 +448,9 @@ class DecodePool:
         with self._lock:
             return any(m.healthy and m.url not in exclude for m in self.members.values())
 
-    def pick(self, exclude: Sequence[str] = ()) -> str:
-        """Least-loaded healthy member. When none is healthy, re-check at once (at most once a second) before
+    def pick(self, exclude: Sequence[str] = (), cost: Optional[Callable[[str, int], float]] = None) -> str:
+        """Least-loaded healthy member, or with `cost` (url, streams in flight -> cost; the KV-aware router's) the
+        cheapest; ties go round robin. When none is healthy, re-check at once (at most once a second) before
         giving up, so start-up races and a pool that was marked down passively recover without waiting 5 s."""
         if not self._any_healthy(exclude):
             with self._force_lock:  # concurrent pickers wait for one re-check instead of failing
@@ -461,8 +462,9 @@ class DecodePool:
             if not cands:
                 downs = "; ".join(f"{m.url}: {m.last_error or 'excluded'}" for m in self.members.values())
                 raise NoDecodeServer(f"no healthy decode server ({downs or 'none configured'})")
-            low = min(m.inflight for m in cands)
-            best = [m for m in cands if m.inflight == low]
+            costs = [cost(m.url, m.inflight) if cost is not None else m.inflight for m in cands]
+            low = min(costs)
+            best = [m for m, c in zip(cands, costs) if c == low]
             m = best[self._rr % len(best)]
             self._rr += 1
             m.inflight += 1

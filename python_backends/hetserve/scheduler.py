@@ -105,6 +105,9 @@ class DecodeScheduler:
         self._stop = False
         self._idle_wait = idle_wait_s
         self.snapshotter = None  # kv.snapshot.Snapshotter: after_step(sched) / on_finish(request_id)
+        # kv.prefix.PrefixCache: a sequence that ends (stop/length) leaves the KV of its prompt + answer there
+        # for the conversation's next turn (stages/router.py steers it back here)
+        self.prefix_cache = None
         self._thread = threading.Thread(target=self._loop, name="decode-batcher", daemon=True)
         self._thread.start()
 
@@ -340,6 +343,8 @@ class DecodeScheduler:
                     reason = "length"
                 elif s.kv_len + 1 >= self.cfg.max_position:
                     reason = "length"
+                if reason and self.prefix_cache is not None and s.prompt_ids is not None:
+                    self._keep_prefix(prec, b, s)  # before the final answer: the next turn may follow at once
                 try:
                     if lp is None:
                         s.on_tokens([tok], reason)
@@ -373,6 +378,16 @@ class DecodeScheduler:
     def _retire(self, prec: str, s: Sequence, reason: str, emit: bool = True):
         self._remove_row(prec, s)
         self._finish(s, reason, emit)
+
+    def _keep_prefix(self, prec: str, row: int, s: Sequence) -> None:
+        """Copy the blocks of s's KV (prompt + tokens[:-1], what its batch row holds) that the prefix cache lacks.
+        A failure here costs the cache entry, never the answer."""
+        batch = self.batches[prec]
+        try:
+            self.prefix_cache.insert_from(list(s.prompt_ids) + s.tokens[:-1],
+                                          lambda start: batch.row_kv(row, start))
+        except Exception as e:
+            log.warning("KV of %s not kept for reuse: %s: %s", s.request_id, type(e).__name__, e)
 
     def _fail(self, s: Sequence, err: HetserveError):
         """End s with a typed failure: on_error when it has one, else a final "error" finish reason."""

@@ -91,7 +91,7 @@ _INPUTS = [
     Input("kv_dtype", "STRING", SCALAR, doc="KV wire dtype (server default HETSERVE_KV_DTYPE)"),
     Input("decode_precision", "STRING", SCALAR, doc="decode engine precision (llm)"),
     # internal hops (operator ops are on the admin side channel, admin_channel.py, not in these schemas)
-    Input("op", "STRING", SCALAR, doc="decode: generate|ingest|release|canary|stats; kv_ingest: ingest|caps|ping"),
+    Input("op", "STRING", SCALAR, doc="decode: generate|ingest|release|canary|stats|prefix; kv_ingest: ingest|caps|ping"),
     Input("request_id", "STRING", SCALAR),
     Input("decode_url", "STRING", SCALAR, doc="set by the orchestrator (internal_token) or an admin"),
     Input("internal_token", "STRING", SCALAR, doc="HMAC proving the llm -> prefill hop"),
@@ -103,7 +103,8 @@ _INPUTS = [
           doc="op=ingest from kv_ingest proves it verified the KV (HMAC of the admin key); without it decode verifies"),
     Input("kv_remote", "STRING", SCALAR,
           doc="descriptor of KV the receiver pulls (nixl: agent metadata + registered range), instead of kv_payload"),
-    Input("output_ids", "INT32", LIST, doc="tokens generated so far (decode: >= 1)"),
+    Input("output_ids", "INT32", LIST, doc="tokens generated so far (decode: >= 1, or none with kv_sent=false: the "
+                                           "decode server prefills the prompt and samples the first token)"),
     Input("token_ids", "INT32", LIST, doc="the newest token ids (postprocess, fed from llm's output)"),
     Input("precision", "STRING", SCALAR, doc="decode engine precision (decode)"),
     Input("kv_sent", "BOOL", SCALAR, True,

@@ -108,11 +108,12 @@ class _Batch:
         self._changed()
         return moved
 
-    def row_kv(self, row: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Copies of row's KV [L, KVH, lens[row], D] (preemption, snapshots)."""
+    def row_kv(self, row: int, start: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+        """Copies of row's KV [L, KVH, lens[row] - start, D] from token `start` (preemption, snapshots, the
+        decode prefix cache)."""
         ln = int(self.lens[row])
-        return (np.ascontiguousarray(self._row(self._kb, row)[:, :, :ln]),
-                np.ascontiguousarray(self._row(self._vb, row)[:, :, :ln]))
+        return (np.ascontiguousarray(self._row(self._kb, row)[:, :, start:ln]),
+                np.ascontiguousarray(self._row(self._vb, row)[:, :, start:ln]))
 
     def _changed(self) -> None:
         pass
@@ -226,8 +227,8 @@ class NativeBatch(_Batch):
     def _alloc(self, rows, cap):
         return np.zeros((self.L, rows, self.H, cap, self.D), self.dtype)
 
-    def row_kv(self, row):
-        k, v = super().row_kv(row)
+    def row_kv(self, row, start=0):
+        k, v = super().row_kv(row, start)
         return k.astype(np.float32), v.astype(np.float32)
 
     def _bind(self):

@@ -1,4 +1,6 @@
-"""Prefix cache for the prefill server: reuse the KV of a repeated prompt prefix (system prompt, chat template).
+"""Prefix cache: reuse the KV of a repeated prompt prefix (system prompt, chat template, a conversation's history).
+The prefill server keeps one for the prompts it prefills; each decode server keeps one for the sequences it
+finished (prompt + answer), which the orchestrator's router (stages/router.py) steers the next turn to.
 
 Prompts are cut into fixed-size token blocks (HETSERVE_PREFIX_BLOCK_TOKENS, default 8). Block i is keyed by a hash chain
 h_i = blake2b(h_{i-1} || tokens of block i), so a key names the whole prefix up to and including that block
@@ -16,7 +18,7 @@ import collections
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -115,23 +117,68 @@ class PrefixCache:
             v = np.concatenate([b.v for b in found], axis=2)
         return n, k, v
 
-    def insert(self, ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> int:
-        """Store the whole blocks of `ids` whose KV ([L,KVH,len(ids),D]) is given; returns blocks added."""
+    def cached_blocks(self, ids: Sequence[int]) -> int:
+        """How many leading whole blocks of `ids` are cached (no LRU touch, not counted as a lookup)."""
         if not self.enabled:
             return 0
-        if k.shape != v.shape or k.ndim != 4 or k.shape[2] < len(ids) // self.block * self.block:
-            raise ValueError(f"KV shape {k.shape}/{v.shape} does not cover {len(ids)} tokens")
+        keys = block_hashes(ids, self.block, self.seed)
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._lru:
+                    return i
+        return len(keys)
+
+    def insert_from(self, ids: Sequence[int], read: Callable[[int], Tuple[np.ndarray, np.ndarray]]) -> int:
+        """Store the whole blocks of `ids`, reading KV only for the blocks not cached yet: read(start) returns
+        the KV of tokens start.. (at least to the last whole block). A finished sequence's KV is read this way
+        from the decode batch, so a conversation's next turn copies only its new blocks."""
+        if not self.enabled or len(ids) < self.block:
+            return 0
+        start = self.cached_blocks(ids) * self.block
+        if start == len(ids) // self.block * self.block:
+            with self._lock:  # all cached already: only refresh their recency
+                keys = [k for k in block_hashes(ids, self.block, self.seed) if k in self._lru]
+                self._touch(keys)
+            return 0
+        k, v = read(start)
+        return self.insert(ids, k, v, start=start)
+
+    def held(self, limit: int) -> List[bytes]:
+        """The keys of up to `limit` cached blocks, most recently used first (what a decode server publishes to
+        the router)."""
+        with self._lock:
+            out: List[bytes] = []
+            for key in reversed(self._lru):
+                if len(out) >= limit:
+                    break
+                out.append(key)
+            return out
+
+    def insert(self, ids: Sequence[int], k: np.ndarray, v: np.ndarray, start: int = 0) -> int:
+        """Store the whole blocks of `ids` whose KV is given: k/v [L,KVH,T,D] hold tokens start.. (start is a
+        multiple of the block; the blocks before it must be cached already, else nothing is added: a block
+        whose parent is gone could never be found). Returns blocks added."""
+        if not self.enabled:
+            return 0
+        if start % self.block:
+            raise ValueError(f"start {start} is not a multiple of the block ({self.block} tokens)")
+        if k.shape != v.shape or k.ndim != 4 or start + k.shape[2] < len(ids) // self.block * self.block:
+            raise ValueError(f"KV shape {k.shape}/{v.shape} from token {start} does not cover {len(ids)} tokens")
         per_block = 2 * k[:, :, :self.block].size * np.dtype(np.float32).itemsize
         if per_block > self.budget:
             return 0
         keys = block_hashes(ids, self.block, self.seed)
+        first = start // self.block
         added = 0
         with self._lock:
-            for i, key in enumerate(keys):
+            if not all(key in self._lru for key in keys[:first]):
+                return 0
+            for i, key in enumerate(keys[first:], first):
                 if key in self._lru:
                     continue
-                s = slice(i * self.block, (i + 1) * self.block)
-                b = _Block(tuple(int(t) for t in ids[s]), np.array(k[:, :, s], np.float32),
+                s = slice(i * self.block - start, (i + 1) * self.block - start)
+                b = _Block(tuple(int(t) for t in ids[i * self.block:(i + 1) * self.block]),
+                           np.array(k[:, :, s], np.float32),
                            np.array(v[:, :, s], np.float32))
                 self._lru[key] = b
                 self._bytes += b.nbytes

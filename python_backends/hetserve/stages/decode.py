@@ -4,10 +4,15 @@ continuous-batching scheduler.
 op=generate : join the running batch; stream token ids. The KV normally arrives first (op=ingest, from
               kv_ingest) and waits in PendingKV; when it has not come within the receive timeout, or the
               orchestrator said it will not come (kv_sent=false), or the request resumes after a migration, the
-              KV is restored from a snapshot and/or recomputed from prompt + tokens so far.
+              KV is restored from a snapshot and/or recomputed from prompt + tokens so far. Without output_ids
+              (and kv_sent=false) the prompt is prefilled here and the first token sampled here: the router's
+              conditional disaggregation (stages/router.py), for a prompt whose uncached suffix is short.
+              Recomputes start from the longest prefix in this server's prefix cache, which holds the KV of the
+              sequences that ended here (a conversation's history).
 op=ingest   : store a transferred KV under request_id (verified here unless kv_ingest proves it verified it).
 op=release  : the orchestrator will not decode this request: drop its pending KV.
 op=canary   : health check, one real engine step (the orchestrator's pool).  op=stats: counters (autoscaler).
+op=prefix   : the prefix cache's block hashes, most recent first (what the orchestrator's router reads).
 `hetserve doctor`'s info and verify are not ops of the model: admin_ops() hands them to the admin side channel
 (admin_channel.py), so the data-plane schema carries no operator arguments.
 """
@@ -31,9 +36,15 @@ from .types import DecodeCall, Metrics, NoMetrics, Reply
 log = logging.getLogger("hetserve.decode")
 
 PENDING_TTL_S = 120.0
-OPS = ("generate", "ingest", "release", "canary", "stats")
+OPS = ("generate", "ingest", "release", "canary", "stats", "prefix")
 ADMIN_OPS = ("info", "verify")  # admin side channel only (DecodeStage.admin_ops)
-RECOMPUTE_REASONS = ("timeout", "mismatch", "resume", "transfer_failed")
+RECOMPUTE_REASONS = ("timeout", "mismatch", "resume", "transfer_failed", "local_prefill")
+# the most block hashes one op=prefix answer carries (16 bytes each, hex in JSON: ~140 KiB)
+MAX_PUBLISHED_BLOCKS = 4096
+# {}: prompt + history tokens whose KV a recompute / local prefill took from this server's prefix cache
+PREFIX_HIT_METRIC = "hetserve_decode_prefix_hit_tokens_total"
+# {}: tokens computed by local prefill and recompute on this server
+LOCAL_PREFILL_TOKENS_METRIC = "hetserve_decode_prefill_tokens_total"
 
 
 class PendingKV:
@@ -188,13 +199,18 @@ class DecodeStage:
 
     def __init__(self, engines: dict, cfg, compat: str, sched, admit, pending: PendingKV,
                  config: Optional[DecodeConfig] = None, snapshots=None, metrics: Optional[Metrics] = None,
-                 ingest_token_ok: Callable[[str], bool] = lambda token: False):
+                 ingest_token_ok: Callable[[str], bool] = lambda token: False, prefix=None):
+        """prefix: a kv.prefix.PrefixCache (seeded with the build's compat hash) or None; the scheduler fills it
+        with the KV of the sequences that end here."""
         self.engines, self.cfg, self.compat, self.sched, self.admit = engines, cfg, compat, sched, admit
         self.pending, self.snapshots = pending, snapshots
+        self.prefix = prefix
+        if prefix is not None:
+            sched.prefix_cache = prefix
         self.config = config or DecodeConfig()
         self.metrics = metrics or NoMetrics()
         self.ingest_token_ok = ingest_token_ok
-        self.counters = {"recompute": 0, "ingested": 0}
+        self.counters = {"recompute": 0, "ingested": 0, "local_prefill": 0, "prefix_hit_tokens": 0}
 
     # ---- dispatch ------------------------------------------------------------------------------------------
     def handle_tensors(self, t: schema.Tensors, reply: Reply) -> None:
@@ -268,12 +284,20 @@ class DecodeStage:
     def _op_stats(self, call: DecodeCall, reply: Reply) -> None:
         reply.json(self.stats())
 
+    def _op_prefix(self, call: DecodeCall, reply: Reply) -> None:
+        p = self.prefix
+        reply.json({"block_tokens": p.block if p is not None else 0,
+                    "blocks": [h.hex() for h in p.held(MAX_PUBLISHED_BLOCKS)] if p is not None else []})
+
     def _op_generate(self, call: DecodeCall, reply: Reply) -> None:
         rid, prompt, out_ids, params = call.request_id, call.prompt, call.output_ids, call.params
         if not rid:
             raise RequestError("missing 'request_id'")
-        if not prompt or not out_ids:
-            raise RequestError("'input_ids' (prompt) and 'output_ids' (tokens so far, >= 1) are required")
+        if not prompt:
+            raise RequestError("'input_ids' (the prompt) is required")
+        if not out_ids and call.kv_sent:
+            raise RequestError("'output_ids' (tokens so far, >= 1) is required unless kv_sent=false (then the "
+                               "prompt is prefilled here)")
         assert params is not None  # call_from_tensors parses sampling for op=generate
         schema.check_prompt(prompt + out_ids, self.cfg, params.max_tokens - len(out_ids))
         params.stop_token_ids = [t for t in params.stop_token_ids if t >= 0]  # [-1] stands for "none"
@@ -284,7 +308,8 @@ class DecodeStage:
         if not lo <= call.send_interval_s * 1e3 <= hi:
             raise RequestError(f"send_interval_ms must be in [{lo}, {hi}], got {call.send_interval_s * 1e3:g}")
         prec = self._precision(call.precision)
-        if len(out_ids) >= params.max_tokens or is_stop_token(out_ids[-1], params, self.cfg.eos_token_ids):
+        if out_ids and (len(out_ids) >= params.max_tokens
+                        or is_stop_token(out_ids[-1], params, self.cfg.eos_token_ids)):
             reply.tokens([], "length", final=True)
             self.pending.take(call.kv_key or rid, 0, call.kv_shares)
             return
@@ -322,8 +347,23 @@ class DecodeStage:
             raise RequestError(f"no KV arrived for request {rid!r} within {timeout_s:g}s")
         return diagnostics.verify_kv(self.engines[prec], prompt, *got)
 
+    def prefill_here(self, eng, ids, reason: str):
+        """Logits of ids[-1] and the KV of `ids`, computed on this server from the longest prefix its prefix
+        cache holds (counted as a recompute for `reason`)."""
+        n, pk, pv = self.prefix.lookup(ids) if self.prefix is not None else (0, None, None)
+        self.counters["recompute"] += 1
+        self.counters["prefix_hit_tokens"] += n
+        self.metrics.inc("hetserve_kv_recompute_total", reason=reason)
+        self.metrics.inc(LOCAL_PREFILL_TOKENS_METRIC, len(ids) - n)
+        if n:
+            self.metrics.inc(PREFIX_HIT_METRIC, n)
+            logits, tk, tv = eng.prefill(ids[n:], past_k=pk, past_v=pv)
+            return logits, np.concatenate([pk, tk], axis=2), np.concatenate([pv, tv], axis=2)
+        return eng.prefill(ids)
+
     def context_kv(self, call: DecodeCall, prec: str):
-        """KV of prompt + output_ids[:-1]: the transferred KV, else a snapshot + the tail, else a recompute."""
+        """KV of prompt + output_ids[:-1]: the transferred KV, else a snapshot + the tail, else a recompute
+        (from this server's prefix cache where it can)."""
         rid, prompt, out_ids = call.request_id, call.prompt, call.output_ids
         key = call.kv_key or rid
         first = len(out_ids) == 1
@@ -344,16 +384,40 @@ class DecodeStage:
                 _, tk, tv = eng.prefill(ctx[n:], past_k=k, past_v=v)
                 return np.concatenate([k, tk], axis=2), np.concatenate([v, tv], axis=2)
         # KV missing (timeout, failed transfer, or resume without snapshot): recompute it here.
-        self.counters["recompute"] += 1
         reason = ("resume" if not first else "transfer_failed" if not call.kv_sent
                   else "timeout" if got is None else "mismatch")
-        self.metrics.inc("hetserve_kv_recompute_total", reason=reason)
-        _, k, v = eng.prefill(ctx)
+        _, k, v = self.prefill_here(eng, ctx, reason)
         return k, v
+
+    def _first_token(self, call: DecodeCall, prec: str, reply: Reply):
+        """Prefill the prompt here and sample the first token (conditional disaggregation). Returns the
+        sequence's (tokens, k, v, sampler), or None when the first token already ended it."""
+        assert call.params is not None
+        params, prompt = call.params, call.prompt
+        self.counters["local_prefill"] += 1
+        logits, k, v = self.prefill_here(self.engines[prec], prompt, "local_prefill")
+        sampler = self.sched.new_sampler(params, prompt, [])
+        tok, lp = sampler.next(np.asarray(logits).reshape(-1), 0)
+        reason = ("stop" if is_stop_token(tok, params, self.cfg.eos_token_ids)
+                  else "length" if params.max_tokens <= 1 or len(prompt) + 1 >= self.cfg.max_position else None)
+        reply.tokens([tok], reason, final=bool(reason), logprobs=lp)
+        if reason:
+            if self.prefix is not None:
+                self.prefix.insert(prompt, k, v)
+            return None
+        return [tok], k, v, sampler
 
     def _admit(self, call: DecodeCall, prec: str, reply: Reply) -> None:
         try:
-            k, v = self.context_kv(call, prec)
+            sampler = None
+            if call.output_ids:
+                tokens = list(call.output_ids)
+                k, v = self.context_kv(call, prec)
+            else:
+                got = self._first_token(call, prec, reply)
+                if got is None:
+                    return
+                tokens, k, v, sampler = got
             if self.snapshots is not None:
                 self.snapshots.track(call.request_id, call.prompt)
 
@@ -364,9 +428,9 @@ class DecodeStage:
             # a choice of n forks the KV sent once (copy on write in the block pool), unless it was recomputed
             group = (call.kv_key or call.request_id, call.kv_shares) if call.kv_shares > 1 and call.kv_sent \
                 and len(call.output_ids) == 1 else None
-            self.sched.submit(Sequence(call.request_id, len(call.prompt), list(call.output_ids), call.params, prec,
+            self.sched.submit(Sequence(call.request_id, len(call.prompt), tokens, call.params, prec,
                                        on_tokens, reply.cancelled, on_error=reply.error, k=k, v=v,
-                                       prompt_ids=list(call.prompt), kv_group=group))
+                                       prompt_ids=list(call.prompt), kv_group=group, sampler=sampler))
         except Exception as e:
             if kind_of_exception(e) == INTERNAL:
                 log.error("decode admission of request %s failed: %s", call.request_id, e, exc_info=e)
@@ -380,6 +444,8 @@ class DecodeStage:
         pool = getattr(sched, "kv_pool", None)
         if pool is not None:
             out["kv_pool"] = pool.stats()
+        if self.prefix is not None:
+            out["prefix_cache"] = self.prefix.stats()
         if self.snapshots is not None:
             out["snapshots"] = {**self.snapshots.stats, "files": self.snapshots.store.count(),
                                 "tracked": len(self.snapshots.prompts)}

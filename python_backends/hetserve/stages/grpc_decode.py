@@ -102,7 +102,7 @@ class GrpcDecodeStream:
         from ..client import build_inputs
 
         ins = build_inputs(None, op="generate", request_id=req.request_id, input_ids=req.prompt,
-                           output_ids=req.output_ids, precision=req.precision,
+                           output_ids=req.output_ids or None, precision=req.precision,
                            kv_sent=None if req.kv_sent else False, kv_key=req.kv_key,
                            kv_shares=req.kv_shares if req.kv_shares > 1 else None,
                            send_interval_ms=round(req.send_interval_s * 1e3) if req.send_interval_s > 0 else None,

@@ -6,6 +6,10 @@ circuit breaker refuses requests at once while latency or queues are out of boun
 or stalls mid-stream the request moves to another one, which resumes from the KV snapshot or by recomputing
 prompt + tokens so far, and the client keeps one uninterrupted stream. A prefill that reports transfer_ok=false
 makes decode recompute at once (kv_sent=false) instead of waiting for KV that will not come.
+
+KV-aware routing (router.py, when configured): the member is the one whose prefix cache holds most of the prompt
+against its load, and a prompt it lacks only a short suffix of is prefilled there (no prefill hop, no KV moved):
+the decode request then carries no output_ids and the first token comes from the decode server.
 """
 from __future__ import annotations
 
@@ -15,10 +19,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from ..errors import HetserveError, Overloaded, RequestError, kind_of_exception
 from ..sampling import is_stop_token
+from .router import PREFILL_PLACEMENT_METRIC, ROUTER_HIT_TOKENS_METRIC, PrefixRouter
 from .types import (
     Breaker,
     DecodeClient,
@@ -123,8 +128,10 @@ class _GroupSink:
 
 class Orchestrator:
     def __init__(self, prefill: PrefillClient, decode: DecodeClient, pool: Pool, breaker: Breaker,
-                 eos_ids, config: Optional[OrchestratorConfig] = None, metrics: Optional[Metrics] = None):
+                 eos_ids, config: Optional[OrchestratorConfig] = None, metrics: Optional[Metrics] = None,
+                 router: Optional[PrefixRouter] = None):
         self.prefill, self.decode, self.pool, self.breaker = prefill, decode, pool, breaker
+        self.router = router  # None: least-loaded member, every prompt prefilled on the prefill server
         self.eos_ids = list(eos_ids)
         self.config = config or OrchestratorConfig()
         self.metrics = metrics or NoMetrics()
@@ -142,8 +149,27 @@ class Orchestrator:
         try:
             self.breaker.allow()  # raises BreakerOpen -> UNAVAILABLE at once
             probe = True
-            member = lease[0] = self.pool.pick()
+            router = self.router
+            hashes = router.hashes(req.prompt) if router is not None else []
+            member = lease[0] = self.pool.pick(cost=router.cost(hashes, len(req.prompt)) if router else None)
             rid = internal_request_id(req.request_id)
+            route = router.route(member, hashes, len(req.prompt)) if router is not None else None
+            if route is not None:
+                self.metrics.inc(ROUTER_HIT_TOKENS_METRIC, route.hit_tokens)
+            if route is not None and route.local and req.n == 1 and not req.prompt_logprobs:
+                self.metrics.inc(PREFILL_PLACEMENT_METRIC, where="decode")
+
+                def first_tokens() -> None:  # TTFT for the breaker, once the decode server's first token is here
+                    nonlocal probe
+                    if probe:
+                        self.breaker.record(time.perf_counter() - t0)
+                        probe = False
+                dreq = DecodeRequest(rid, list(req.prompt), [], req.params, req.precision, kv_sent=False,
+                                     send_interval_s=0.0 if sink.streaming
+                                     else self.config.whole_answer_send_interval_s)
+                self._decode(sink, dreq, lease, on_first=first_tokens)
+                return
+            self.metrics.inc(PREFILL_PLACEMENT_METRIC, where="prefill")
             # the transport negotiated with this member (kv/transport); a fallback is counted + logged by the pool
             transport = self.pool.transport_for(member, req.transport)
             res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, member, transport,
@@ -167,10 +193,9 @@ class Orchestrator:
                 if res.transfer_ok:
                     self.decode.release(member, rid)  # no decode for it: free the KV pushed to decode
                 return
-            self._decode(sink, DecodeRequest(rid, list(req.prompt), [first], req.params, req.precision,
-                                             kv_sent=res.transfer_ok,
-                                             send_interval_s=0.0 if sink.streaming
-                                             else self.config.whole_answer_send_interval_s), lease)
+            dreq = DecodeRequest(rid, list(req.prompt), [first], req.params, req.precision, kv_sent=res.transfer_ok,
+                                 send_interval_s=0.0 if sink.streaming else self.config.whole_answer_send_interval_s)
+            self._decode(sink, dreq, lease)
         except Exception as e:
             from ..reliability import BreakerOpen
 
@@ -230,9 +255,11 @@ class Orchestrator:
             f.result()
         group.raise_first()
 
-    def _decode(self, sink: TokenSink, dreq: DecodeRequest, lease: List[Optional[str]]) -> None:
+    def _decode(self, sink: TokenSink, dreq: DecodeRequest, lease: List[Optional[str]],
+                on_first: Optional[Callable[[], None]] = None) -> None:
         """Stream from decode servers until the sequence ends; on failure migrate to another server with the
-        tokens so far. lease[0] is the pool member in use (released by run())."""
+        tokens so far. lease[0] is the pool member in use (released by run()). on_first: called at the first
+        tokens (the decode server sampled the first one: local prefill)."""
         tried: List[str] = []
         migrations = 0
         while True:
@@ -246,7 +273,14 @@ class Orchestrator:
                     if sink.cancelled():
                         cancel = True
                         return
+                    if on_first is not None and chunk.token_ids:
+                        on_first()
+                        on_first = None
                     dreq.output_ids.extend(chunk.token_ids)
+                    if self.router is not None and chunk.finish_reason in ("stop", "length"):
+                        # the sequence ended on the server: it keeps prompt + answer (but the last token), and the
+                        # router knows before the client sees the end (its next turn may follow at once)
+                        self.router.routed(url, dreq.prompt + dreq.output_ids[:-1])
                     if not sink.push(chunk.token_ids, chunk.finish_reason, chunk.logprobs):
                         cancel = chunk.finish_reason is None or sink.finish_reason != chunk.finish_reason
                         return
@@ -258,6 +292,8 @@ class Orchestrator:
                 cancel = True
                 if isinstance(e, DecodeFailed):  # the server is gone or stalled (an engine error is not that)
                     self.pool.mark_down(url, str(e))
+                    if self.router is not None:  # whatever it held is gone with it
+                        self.router.forget(url)
                 tried.append(url)
                 migrations += 1
                 if migrations > self.config.max_migrations:

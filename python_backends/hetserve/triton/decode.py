@@ -16,12 +16,20 @@ from ..bounded import BoundedExecutor
 from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..kv.blocks import BlockPool
+
+# PendingKV re-exported for existing callers (tests/test_hardening.py)
+from ..kv.prefix import PrefixCache
 from ..kv.snapshot import Snapshotter
 from ..sampling import TokenLogprobs
 from ..scheduler import DecodeScheduler
-
-# PendingKV re-exported for existing callers (tests/test_hardening.py)
-from ..stages.decode import RECOMPUTE_REASONS, DecodeConfig, DecodeStage, PendingKV
+from ..stages.decode import (
+    LOCAL_PREFILL_TOKENS_METRIC,
+    PREFIX_HIT_METRIC,
+    RECOMPUTE_REASONS,
+    DecodeConfig,
+    DecodeStage,
+    PendingKV,
+)
 from .common import (
     engine_dir,
     grammar_matchers,
@@ -174,7 +182,11 @@ class TritonPythonModel:
             engines, cfg, e0.compat_hash, self.sched, self.admit, PendingKV.from_env(),
             DecodeConfig(kv_timeout_s=float(config.get("HETSERVE_KV_TIMEOUT_MS")) / 1e3,
                          default_precision=config.get("HETSERVE_DECODE_PRECISION") or e0.precision),
-            snapshots=self.snapshots, metrics=REGISTRY, ingest_token_ok=ingest_token_ok)
+            snapshots=self.snapshots, metrics=REGISTRY, ingest_token_ok=ingest_token_ok,
+            prefix=PrefixCache(int(config.get("HETSERVE_DECODE_PREFIX_CACHE_MB") * (1 << 20)),
+                               block=int(config.get("HETSERVE_PREFIX_BLOCK_TOKENS")), seed=e0.compat_hash))
+        for name in (PREFIX_HIT_METRIC, LOCAL_PREFILL_TOKENS_METRIC):
+            REGISTRY.declare(name)
         for reason in RECOMPUTE_REASONS:
             REGISTRY.declare("hetserve_kv_recompute_total", reason=reason)
         for name in ("hetserve_kv_preemptions_total", "hetserve_snapshot_restores_total"):
@@ -193,6 +205,8 @@ class TritonPythonModel:
                 g.append(("hetserve_kv_tier_blocks", {"tier": tier}, n))
         if self.snapshots is not None:
             g.append(("hetserve_snapshot_age_seconds", {}, self.snapshots.oldest_age_s()))
+        if self.stage.prefix is not None:
+            g.append(("hetserve_decode_prefix_cache_bytes", {}, self.stage.prefix.nbytes))
         counters = gauges([("hetserve_kv_preemptions_total", {}, st.get("preempted", 0))])
         return {"gauges": gauges(g), "counters": counters, "busy_seconds": st["step_seconds"]}
 

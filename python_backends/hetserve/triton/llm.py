@@ -32,6 +32,7 @@ from ..reliability import CircuitBreaker, DecodePool
 from ..sampling import MAX_CHOICES, TokenLogprobs
 from ..stages.grpc_decode import GrpcDecodeClient
 from ..stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
+from ..stages.router import PREFILL_PLACEMENT_METRIC, ROUTER_HIT_TOKENS_METRIC, PrefixRouter, Refresher, RouterConfig
 from ..stages.types import GenerateRequest, PrefillJob, PrefillResult
 from ..structured import GuideSpec
 from ..tokenizer import encode_prompt
@@ -171,6 +172,7 @@ class TritonPythonModel:
             "hetserve_kv_transport_fallbacks_total", requested=req, used=used, reason=why))
         self._pool_metrics(self.pool.snapshot())
         self.decode_client = GrpcDecodeClient()
+        self.router, self.refresher = self._kv_router(man["compat_hash"])
         step_timeout_s = float(config.get("HETSERVE_DECODE_STEP_TIMEOUT_S"))
         self.stage = Orchestrator(
             BlsPrefill(), self.decode_client, self.pool, breaker, self.cfg.eos_token_ids,
@@ -179,10 +181,28 @@ class TritonPythonModel:
                                whole_answer_send_interval_s=min(config.get("HETSERVE_WHOLE_ANSWER_SEND_MS") / 1e3,
                                                                 step_timeout_s / 4),
                                max_migrations=int(config.get("HETSERVE_MAX_MIGRATIONS"))),
-            metrics=REGISTRY)
+            metrics=REGISTRY, router=self.router)
         tokenizer()
 
+    def _kv_router(self, compat_hash: str):
+        """The KV-aware router and the thread that reads the decode servers' block lists (HETSERVE_KV_ROUTING)."""
+        for where in ("prefill", "decode"):
+            REGISTRY.declare(PREFILL_PLACEMENT_METRIC, where=where)
+        REGISTRY.declare(ROUTER_HIT_TOKENS_METRIC)
+        if not config.get("HETSERVE_KV_ROUTING"):
+            return None, None
+        from ..client import decode_json_op
+
+        router = PrefixRouter(int(config.get("HETSERVE_PREFIX_BLOCK_TOKENS")), compat_hash, RouterConfig.from_env())
+        timeout_s = float(config.get("HETSERVE_HEALTH_TIMEOUT_S"))
+        refresher = Refresher(router, lambda: {u: m.healthy for u, m in self.pool.snapshot().items()},
+                              lambda url: decode_json_op(url, "prefix", timeout_s),
+                              float(config.get("HETSERVE_ROUTER_REFRESH_S")))
+        return router, refresher
+
     def finalize(self):
+        if self.refresher is not None:
+            self.refresher.close()
         self._workers.shutdown(wait=False, cancel_futures=True)
         self.decode_client.close()
         self.pool.close()

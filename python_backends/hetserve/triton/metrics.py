@@ -14,10 +14,17 @@ useful, `model`. Names are part of the deployment contract (alerts, Grafana, tes
                                    than requested: staging region full (kv/transport/sender.py, prefill) or
                                    not negotiated with that decode server (reliability.DecodePool, llm)
   hetserve_kv_recompute_total      counter    {reason} decode recomputed KV (timeout, mismatch, resume,
-                                              transfer_failed: prefill said the KV will not come)
+                                              transfer_failed: prefill said the KV will not come,
+                                              local_prefill: the router had the prompt prefilled there)
   hetserve_kv_transfer_not_ok_total counter   {reason, transport} orchestrator saw transfer_ok=false
   hetserve_kv_tier_blocks          gauge      {tier} KV blocks resident per tier
   hetserve_kv_prefix_hits_total / hetserve_kv_prefix_lookups_total  counters of the prefill prefix cache
+  hetserve_decode_prefix_hit_tokens_total counter  tokens a decode-side prefill/recompute took from the decode
+                                   server's prefix cache (the KV of sequences that ended there)
+  hetserve_decode_prefill_tokens_total counter tokens a decode server prefilled itself (local prefill, recompute)
+  hetserve_decode_prefix_cache_bytes gauge    bytes held by the decode server's prefix cache
+  hetserve_prefill_placement_total counter    {where=prefill|decode} where the router had a prompt prefilled (llm)
+  hetserve_router_hit_tokens_total counter    prompt tokens the router expected the chosen decode server to hold
   hetserve_batch_size              gauge      sequences in the last decode step
   hetserve_prefill_batch_size      histogram  prompts per prefill forward (stages/prefill_batch.py)
   hetserve_prefill_requests_total  counter    prompts prefilled (an n > 1 request counts once)
@@ -68,6 +75,15 @@ _SPECS = {
     "hetserve_kv_prefix_hits_total": ("counter", "Prefill prefix-cache lookups that reused cached KV", None),
     "hetserve_kv_prefix_lookups_total": ("counter", "Prefill prefix-cache lookups", None),
     "hetserve_kv_prefix_hit_tokens_total": ("counter", "Prompt tokens served from the prefill prefix cache", None),
+    "hetserve_decode_prefix_hit_tokens_total": ("counter", "Tokens a decode-side prefill took from the decode "
+                                                           "server's prefix cache", None),
+    "hetserve_decode_prefill_tokens_total": ("counter", "Tokens a decode server prefilled itself (local prefill, "
+                                                        "recompute)", None),
+    "hetserve_decode_prefix_cache_bytes": ("gauge", "Bytes held by the decode server's prefix cache", None),
+    "hetserve_prefill_placement_total": ("counter", "Prompts by where they were prefilled (prefill server or "
+                                                    "the chosen decode server)", None),
+    "hetserve_router_hit_tokens_total": ("counter", "Prompt tokens the KV-aware router expected the chosen "
+                                                    "decode server to hold", None),
     "hetserve_batch_size": ("gauge", "Sequences in the last decode step", None),
     "hetserve_prefill_requests_total": ("counter", "Prompts prefilled (a request for n choices counts once)", None),
     "hetserve_prefill_choices_total": ("counter", "First tokens sampled for requests of n > 1 choices (n each)",
