@@ -187,7 +187,6 @@ def one_run(a, routing: bool) -> dict:
 
 
 def main(argv=None) -> int:
-def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine-dir", default=DEFAULT_ENGINE_DIR)
     ap.add_argument("--decode-servers", type=int, default=2)

@@ -325,6 +325,27 @@ def test_kv_router_follow_up_prefills_on_the_decode_server(cluster, tokenizer):
           f"{hits[local.index(1)]} tokens from its cache; TTFT {1e3 * g2.ttft_s:.0f} ms (turn 1: "
           f"{1e3 * g1.ttft_s:.0f} ms)")
 
+    # turn 3 brings a long document (more than HETSERVE_LOCAL_PREFILL_MAX_TOKENS new): the prefill server prefills
+    # it and sends only the KV after the blocks the holder keeps (turns 1-2), which joins them with it
+    doc = tokenizer.encode("<|im_end|>\n<|im_start|>user\n" + "The river harbour and the stone bridge. " * 90
+                           + "Summarise.<|im_end|>\n<|im_start|>assistant\n")
+    turn3 = turn2 + g2.token_ids + doc
+    before = counters()
+    g3 = generate(url, None, model="llm", input_ids=turn3, max_tokens=16, ignore_eos=True, decode_precision="fp32",
+                  timeout_s=120)
+    after = counters()
+    token_bytes = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M's K+V of one token on the fp32 wire (the default)
+    sent = (after[1] - before[1]) / token_bytes
+    held = len(turn2) + len(g2.token_ids) - 1
+    assert after[0] == before[0] + 1 and sent == int(sent), f"{sent} tokens of KV"
+    assert len(turn3) - held <= sent <= len(turn3) - held + 8, \
+        f"sent the KV of {sent:.0f} tokens for a {len(turn3)}-token prompt whose first {held} the holder keeps"
+    assert [a - b for a, b in zip(after[4], before[4])] == [0, 0]
+    ref3 = generate(url, None, model="aggregated", input_ids=turn3, max_tokens=16, ignore_eos=True, timeout_s=120)
+    assert g3.token_ids == ref3.token_ids, "joining cached blocks with transferred KV changed the greedy tokens"
+    print(f"KV router: turn 3 of {len(turn3)} tokens prefilled on the prefill server, KV of {sent:.0f} tokens sent "
+          f"(the holder kept {held})")
+
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_kill9_decode_mid_stream_no_lost_request_same_tokens(cluster, prompt_ids, reference_tokens, transport):

@@ -324,3 +324,89 @@ def test_orchestrator_without_router_is_unchanged():
     assert sink.ids == [10, 11] and dec.opened[0][1].started.output_ids == [10]
     assert m.get(PREFILL_PLACEMENT_METRIC, where="prefill") == 1
     assert m.get(PREFILL_PLACEMENT_METRIC, where="decode") == 0
+
+
+# ---- only the KV the chosen decode server lacks moves ------------------------------------------------------------
+def test_wire_header_carries_start_only_when_it_is_not_zero(monkeypatch):
+    import json
+
+    from hetserve import schema
+    from hetserve.errors import RequestError
+    from hetserve.kv import wire
+    from test_stages import _kv
+
+    monkeypatch.setenv("HETSERVE_KV_KEY", "unit-key")
+    k, v = _kv(5)
+    whole, _ = wire.encode(k, v, COMPAT)
+    assert "start" not in json.loads(whole.to_json())  # byte-identical to what every v3 peer sends
+    part, payload = wire.encode(k, v, COMPAT, start=16)
+    back = wire.KVHeader.from_json(part.to_json())
+    assert back.start == 16 and back.num_tokens == 5
+    wire.verify(back, payload, COMPAT, (CFG.num_layers, CFG.num_kv_heads, CFG.head_dim))
+    forged = wire.KVHeader.from_json(part.to_json())
+    forged.start = 8  # start is signed: moving the KV to other positions breaks the tag
+    with pytest.raises(wire.KVWireError, match="checksum"):
+        wire.verify(forged, payload, COMPAT, (CFG.num_layers, CFG.num_kv_heads, CFG.head_dim))
+    forged.start = -1
+    with pytest.raises(wire.KVWireError, match="start"):
+        wire.verify(forged, payload, COMPAT, (CFG.num_layers, CFG.num_kv_heads, CFG.head_dim))
+    schema.check_kv_tokens(back, 21)
+    with pytest.raises(RequestError, match="from position 16"):
+        schema.check_kv_tokens(back, 20)
+
+
+def test_remote_prefill_leaves_out_the_blocks_the_member_holds():
+    """A follow-up whose new part is too long to prefill on the decode server: the prefill server prefills it,
+    and the job says how many leading tokens (whole blocks) the chosen member already holds."""
+    history = list(range(100, 181))  # 81 tokens: 10 whole blocks
+    pool = CostPool(["a", "b"])
+    dec = FakeDecodeClient({"a": [([TokenChunk([11], "length")], None)]})
+    pre = FakePrefill()
+    orch, m, router = _routed_orch(dec, pool, pre, local_prefill_max_tokens=64)
+    router.routed("a", history)
+    orch.run(GenerateRequest(history + list(range(500, 600)), SamplingParams(max_tokens=2), "fp32"), FakeSink())
+    assert len(pre.jobs) == 1 and pre.jobs[0].decode_url == "a" and pre.jobs[0].kv_skip_tokens == 80
+    assert m.get(PREFILL_PLACEMENT_METRIC, where="prefill") == 1
+
+
+def _ingest(stage, rid, k, v, start, monkeypatch):
+    from hetserve.kv import wire
+
+    monkeypatch.setenv("HETSERVE_KV_KEY", "unit-key")
+    hdr, payload = wire.encode(k, v, COMPAT, "fp32", start=start)
+    r = FakeReply()
+    stage.handle(DecodeCall("ingest", rid, kv_header=hdr.to_json(), kv_payload=payload), r)
+    assert r.sent == [("tokens", [], None)], r.sent
+
+
+def test_decode_joins_its_cached_blocks_with_the_transferred_rest(routed_stage, monkeypatch):
+    from test_stages import _kv
+
+    prompt = list(range(10, 45))  # 35 tokens; the server holds the first 32
+    k, v = _kv(35)
+    routed_stage.prefix.insert(prompt[:32], k[:, :, :32], v[:, :, :32])
+    _ingest(routed_stage, "r1", k[:, :, 32:], v[:, :, 32:], 32, monkeypatch)
+    reply = FakeReply()
+    routed_stage.handle(DecodeCall("generate", "r1", prompt, [9], SamplingParams(max_tokens=4)), reply)
+    assert reply.done.wait(5)
+    seq = routed_stage.sched.seqs[-1]
+    assert np.array_equal(seq.k, k) and np.array_equal(seq.v, v), "cached blocks + transferred rest == whole KV"
+    assert routed_stage.engines["fp32"].calls == [], "nothing recomputed"
+    assert routed_stage.metrics.get("hetserve_kv_recompute_total", reason="prefix_evicted") == 0
+
+
+def test_decode_recomputes_blocks_its_cache_lost_before_the_transfer_came(routed_stage, monkeypatch):
+    from test_stages import _kv
+
+    prompt = list(range(10, 45))
+    k, v = _kv(35)
+    routed_stage.prefix.insert(prompt[:16], k[:, :, :16], v[:, :, :16])  # blocks 3 and 4 were evicted meanwhile
+    _ingest(routed_stage, "r2", k[:, :, 32:], v[:, :, 32:], 32, monkeypatch)
+    reply = FakeReply()
+    routed_stage.handle(DecodeCall("generate", "r2", prompt, [9], SamplingParams(max_tokens=4)), reply)
+    assert reply.done.wait(5)
+    eng = routed_stage.engines["fp32"]
+    assert eng.calls == [prompt[16:32]] and eng.past == 16, "the gap (tokens 16..31) recomputed on the cached 16"
+    seq = routed_stage.sched.seqs[-1]
+    assert seq.k.shape[2] == 35 and np.array_equal(seq.k[:, :, 32:], k[:, :, 32:])
+    assert routed_stage.metrics.get("hetserve_kv_recompute_total", reason="prefix_evicted") == 1

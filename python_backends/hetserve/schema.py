@@ -91,12 +91,16 @@ _INPUTS = [
     Input("kv_dtype", "STRING", SCALAR, doc="KV wire dtype (server default HETSERVE_KV_DTYPE)"),
     Input("decode_precision", "STRING", SCALAR, doc="decode engine precision (llm)"),
     # internal hops (operator ops are on the admin side channel, admin_channel.py, not in these schemas)
-    Input("op", "STRING", SCALAR, doc="decode: generate|ingest|release|canary|stats|prefix; kv_ingest: ingest|caps|ping"),
+    Input("op", "STRING", SCALAR,
+          doc="decode: generate|ingest|release|canary|stats|prefix; kv_ingest: ingest|caps|ping"),
     Input("request_id", "STRING", SCALAR),
     Input("decode_url", "STRING", SCALAR, doc="set by the orchestrator (internal_token) or an admin"),
     Input("internal_token", "STRING", SCALAR, doc="HMAC proving the llm -> prefill hop"),
     Input("skip_transfer", "BOOL", SCALAR, False),
     Input("prefix_cache", "BOOL", SCALAR, True),
+    Input("kv_skip_tokens", "INT32", SCALAR, 0, (0, 1 << 24),
+          doc="prefill (orchestrator): the decode server holds the KV of this many leading prompt tokens; send the "
+              "rest only"),
     Input("kv_header", "STRING", SCALAR, doc="KV wire header (JSON)"),
     Input("kv_payload", "UINT8", LIST, doc="KV wire payload"),
     Input("ingest_token", "STRING", SCALAR,
@@ -138,7 +142,8 @@ MODELS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
     "preprocess": (("text_input", "apply_chat_template"), ("text_input",)),
     "postprocess": (("output_ids", "token_ids"), ("output_ids",)),
     "prefill": (("input_ids", "request_id", "decode_url", "internal_token", "transport",
-                 "kv_dtype", "skip_transfer", "prefix_cache", "num_return_sequences", "return_prompt_log_probs")
+                 "kv_dtype", "skip_transfer", "prefix_cache", "kv_skip_tokens", "num_return_sequences",
+                 "return_prompt_log_probs")
                 + SAMPLING, ()),
     "decode": (("op", "request_id", "kv_header", "kv_payload", "ingest_token", "input_ids",
                 "output_ids", "precision", "kv_sent", "kv_key", "kv_shares", "send_interval_ms") + SAMPLING + CHOICE,
@@ -281,8 +286,10 @@ def check_prompt(ids: List[int], cfg, max_tokens: int = 0) -> List[int]:
 
 def check_kv_tokens(hdr, max_position: int) -> None:
     """A KV header may not claim more tokens than the model's context (a bogus count would size buffers)."""
-    if not 0 < hdr.num_tokens <= max_position:
-        raise RequestError(f"KV header claims {hdr.num_tokens} tokens; the model context is {max_position}")
+    start = getattr(hdr, "start", 0)
+    if not isinstance(start, int) or start < 0 or not 0 < hdr.num_tokens <= max_position - start:
+        raise RequestError(f"KV header claims {hdr.num_tokens} tokens from position {start!r}; the model context "
+                           f"is {max_position}")
 
 
 # ---- model_repository/*/config.pbtxt input blocks, generated from this schema -------------------------------

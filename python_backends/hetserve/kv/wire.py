@@ -5,8 +5,10 @@ A transfer is (header, payload). The payload is one contiguous byte buffer: K th
 [2, layers, kv_heads, tokens]: one scale per token of each layer and head (amax over head_dim), symmetric.
   int8  round(x / s), s = amax / 127                      scheme "per-token-symmetric"
   fp8   E4M3 (OCP float8_e4m3fn bytes) of x / s, s = amax / 448   scheme "per-token-e4m3"
-The header is JSON: model compat hash, layout, dtype, scale scheme, shape, token count, and an HMAC-SHA256 tag
-over the rest of the header and the payload, keyed per deployment (kv_key()). The receiver refuses any mismatch
+The header is JSON: model compat hash, layout, dtype, scale scheme, shape, token count, the position of the first
+token (`start`, only present when > 0: the KV-aware router sends a decode server only the KV of the tokens its
+prefix cache lacks), and an HMAC-SHA256 tag over the rest of the header and the payload, keyed per deployment
+(kv_key()). The receiver refuses any mismatch
 with a clear error instead of decoding garbage.
 
 Why an HMAC and not a crc32: a crc catches accidents, not a peer (or a local user writing into a shm region, or
@@ -68,12 +70,17 @@ class KVHeader:
     version: int = WIRE_VERSION
     integrity: str = INTEGRITY
     mac: str = ""  # hex HMAC-SHA256 of signed_bytes() + payload
+    start: int = 0  # position of the first token (the receiver holds the ones before it)
+
+    def _fields(self) -> dict:
+        # start=0 is left out: a whole-prompt header stays byte-identical to what every v3 peer sends and reads
+        return {k: v for k, v in self.__dict__.items() if not (k == "start" and v == 0)}
 
     def signed_bytes(self) -> bytes:
-        return json.dumps({k: v for k, v in self.__dict__.items() if k != "mac"}, sort_keys=True).encode()
+        return json.dumps({k: v for k, v in self._fields().items() if k != "mac"}, sort_keys=True).encode()
 
     def to_json(self) -> bytes:
-        return json.dumps(self.__dict__, sort_keys=True).encode()
+        return json.dumps(self._fields(), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw) -> "KVHeader":
@@ -136,8 +143,9 @@ def _tag(hdr: KVHeader, payload: np.ndarray, key: bytes) -> str:
 
 
 def encode(k: np.ndarray, v: np.ndarray, compat_hash: str, dtype: str = "fp32",
-           key: Optional[bytes] = None) -> Tuple[KVHeader, np.ndarray]:
-    """k, v: float [L, KVH, T, D] -> (header, uint8 payload), signed with `key` (default: kv_key())."""
+           key: Optional[bytes] = None, start: int = 0) -> Tuple[KVHeader, np.ndarray]:
+    """k, v: float [L, KVH, T, D] of the tokens at positions start.. -> (header, uint8 payload), signed with `key`
+    (default: kv_key())."""
     if dtype not in DTYPES:
         raise KVWireError(f"unknown KV wire dtype {dtype!r}; use one of {sorted(DTYPES)}")
     if k.shape != v.shape or k.ndim != 4:
@@ -151,7 +159,7 @@ def encode(k: np.ndarray, v: np.ndarray, compat_hash: str, dtype: str = "fp32",
         payload = np.concatenate([np.ascontiguousarray(k, dtype=dt).reshape(-1).view(np.uint8),
                                   np.ascontiguousarray(v, dtype=dt).reshape(-1).view(np.uint8)])
     hdr = KVHeader(compat_hash=compat_hash, dtype=dtype, num_layers=L, num_kv_heads=H, num_tokens=T,
-                   head_dim=D, nbytes=int(payload.nbytes), scale_scheme=SCHEMES[dtype])
+                   head_dim=D, nbytes=int(payload.nbytes), scale_scheme=SCHEMES[dtype], start=int(start))
     hdr.mac = _tag(hdr, payload, kv_key() if key is None else key)
     return hdr, payload
 
@@ -178,6 +186,8 @@ def verify(hdr: KVHeader, payload: np.ndarray, expect_hash: str, expect_shape: T
                           f"{(hdr.num_layers, hdr.num_kv_heads, hdr.head_dim)} != receiver {(L, H, D)}")
     if hdr.num_tokens <= 0:
         raise KVWireError("KV transfer has no tokens")
+    if not isinstance(hdr.start, int) or hdr.start < 0:
+        raise KVWireError(f"KV start position {hdr.start!r} is not a non-negative integer")
     want = payload_nbytes(hdr.dtype, L, H, hdr.num_tokens, D)
     if hdr.nbytes != want or payload.nbytes != want:
         raise KVWireError(f"KV payload size {payload.nbytes} B (header says {hdr.nbytes}) != expected {want} B")

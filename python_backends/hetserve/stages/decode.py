@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -38,13 +38,21 @@ log = logging.getLogger("hetserve.decode")
 PENDING_TTL_S = 120.0
 OPS = ("generate", "ingest", "release", "canary", "stats", "prefix")
 ADMIN_OPS = ("info", "verify")  # admin side channel only (DecodeStage.admin_ops)
-RECOMPUTE_REASONS = ("timeout", "mismatch", "resume", "transfer_failed", "local_prefill")
+RECOMPUTE_REASONS = ("timeout", "mismatch", "resume", "transfer_failed", "local_prefill", "prefix_evicted")
 # the most block hashes one op=prefix answer carries (16 bytes each, hex in JSON: ~140 KiB)
 MAX_PUBLISHED_BLOCKS = 4096
 # {}: prompt + history tokens whose KV a recompute / local prefill took from this server's prefix cache
 PREFIX_HIT_METRIC = "hetserve_decode_prefix_hit_tokens_total"
 # {}: tokens computed by local prefill and recompute on this server
 LOCAL_PREFILL_TOKENS_METRIC = "hetserve_decode_prefill_tokens_total"
+
+
+class TakenKV(NamedTuple):
+    """Transferred KV [L,KVH,T,D] of the prompt tokens at positions start.. (start > 0: the sender left out the
+    ones this server's prefix cache holds)."""
+    k: np.ndarray
+    v: np.ndarray
+    start: int = 0
 
 
 class PendingKV:
@@ -55,6 +63,7 @@ class PendingKV:
     def __init__(self, max_entries: int = 256, max_bytes: int = 1 << 30, ttl_s: float = PENDING_TTL_S,
                  clock: Callable[[], float] = time.monotonic):
         self._d: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
+        self._start: Dict[str, int] = {}  # entries that begin after position 0
         self._shares: Dict[str, int] = {}  # forked KV (choices of n): takes left after this one
         self._cv = threading.Condition()
         self.max_entries, self.max_bytes, self.ttl_s, self.clock = max_entries, max_bytes, ttl_s, clock
@@ -66,13 +75,13 @@ class PendingKV:
 
         return cls(config.get("HETSERVE_PENDING_KV_MAX"), int(config.get("HETSERVE_PENDING_KV_MB") * (1 << 20)))
 
-    def _drop(self, rid):
+    def _drop(self, rid) -> TakenKV:
         k, v, _ = self._d.pop(rid)
         self._shares.pop(rid, None)
         self.nbytes -= k.nbytes + v.nbytes
-        return k, v
+        return TakenKV(k, v, self._start.pop(rid, 0))
 
-    def put(self, rid, k, v):
+    def put(self, rid, k, v, start: int = 0):
         size = k.nbytes + v.nbytes
         with self._cv:
             now = self.clock()
@@ -85,10 +94,12 @@ class PendingKV:
                                  f"{self.max_bytes / 2**20:.0f} MiB) waiting for their generate requests",
                                  where="decode pending KV")
             self._d[rid] = (k, v, now)
+            if start:
+                self._start[rid] = start
             self.nbytes += size
             self._cv.notify_all()
 
-    def take(self, rid, timeout_s: float, shares: int = 1):
+    def take(self, rid, timeout_s: float, shares: int = 1) -> Optional[TakenKV]:
         """The KV for `rid`, waiting up to `timeout_s` for it to arrive; None when it does not. With shares > 1
         (the choices of one request fork one transfer) the same arrays go to `shares` takers, the entry to the
         last (or the TTL)."""
@@ -104,7 +115,7 @@ class PendingKV:
                 return self._drop(rid)
             self._shares[rid] = left_after
             k, v, _ = self._d[rid]
-            return k, v
+            return TakenKV(k, v, self._start.get(rid, 0))
 
     def __len__(self):
         return len(self._d)
@@ -271,7 +282,7 @@ class DecodeStage:
             except wire.KVWireError as e:
                 raise RequestError(f"KV refused for request {rid}: {e}") from None
         k, v = wire.decode(hdr, payload)
-        self.pending.put(rid, k, v)
+        self.pending.put(rid, k, v, hdr.start)
         self.counters["ingested"] += 1
         reply.tokens([], final=True)
 
@@ -345,7 +356,9 @@ class DecodeStage:
         got = self.pending.take(rid, timeout_s)
         if got is None:
             raise RequestError(f"no KV arrived for request {rid!r} within {timeout_s:g}s")
-        return diagnostics.verify_kv(self.engines[prec], prompt, *got)
+        if got.start:
+            raise RequestError(f"the KV sent for {rid!r} starts at token {got.start}: verify needs a whole prompt's")
+        return diagnostics.verify_kv(self.engines[prec], prompt, got.k, got.v)
 
     def prefill_here(self, eng, ids, reason: str):
         """Logits of ids[-1] and the KV of `ids`, computed on this server from the longest prefix its prefix
@@ -371,9 +384,11 @@ class DecodeStage:
         if first and not call.kv_sent:
             self.pending.take(key, 0, call.kv_shares)  # a partial transfer may have landed: never use it, free it
         ctx = prompt + out_ids[:-1]
-        if got is not None and got[0].shape[2] == len(ctx):
-            return got
         eng = self.engines[prec]
+        if got is not None and got.start + got.k.shape[2] == len(ctx):
+            if not got.start:
+                return got.k, got.v
+            return self._join(eng, ctx, got)
         if not first and self.snapshots is not None:  # resume after migration
             snap = self.snapshots.restore(rid, ctx, (self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim))
             if snap is not None:
@@ -388,6 +403,23 @@ class DecodeStage:
                   else "timeout" if got is None else "mismatch")
         _, k, v = self.prefill_here(eng, ctx, reason)
         return k, v
+
+    def _join(self, eng, ctx, got: TakenKV):
+        """KV of ctx from this server's prefix cache (tokens < got.start) and the transferred rest. Blocks the
+        cache lost since the router looked are recomputed here (counted: reason prefix_evicted), never guessed."""
+        s = got.start
+        n, pk, pv = self.prefix.lookup(ctx[:s + 1]) if self.prefix is not None else (0, None, None)
+        self.counters["prefix_hit_tokens"] += n
+        self.metrics.inc(PREFIX_HIT_METRIC, n)
+        if n < s:  # evicted in between: compute the gap on top of what is left
+            self.counters["recompute"] += 1
+            self.metrics.inc("hetserve_kv_recompute_total", reason="prefix_evicted")
+            self.metrics.inc(LOCAL_PREFILL_TOKENS_METRIC, s - n)
+            _, gk, gv = eng.prefill(ctx[n:s], past_k=pk, past_v=pv) if n else eng.prefill(ctx[:s])
+            pk = gk if pk is None else np.concatenate([pk, gk], axis=2)
+            pv = gv if pv is None else np.concatenate([pv, gv], axis=2)
+        assert pk is not None and pv is not None  # s > 0: either the cache or the gap's prefill gave KV
+        return np.concatenate([pk, got.k], axis=2), np.concatenate([pv, got.v], axis=2)
 
     def _first_token(self, call: DecodeCall, prec: str, reply: Reply):
         """Prefill the prompt here and sample the first token (conditional disaggregation). Returns the

@@ -172,8 +172,10 @@ class Orchestrator:
             self.metrics.inc(PREFILL_PLACEMENT_METRIC, where="prefill")
             # the transport negotiated with this member (kv/transport); a fallback is counted + logged by the pool
             transport = self.pool.transport_for(member, req.transport)
+            # the member's prefix cache holds the first hit_tokens: only the KV after them moves
             res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, member, transport,
-                                                  req.kv_dtype, n=req.n, prompt_logprobs=req.prompt_logprobs))
+                                                  req.kv_dtype, n=req.n, prompt_logprobs=req.prompt_logprobs,
+                                                  kv_skip_tokens=route.whole_blocks if route is not None else 0))
             self.breaker.record(time.perf_counter() - t0)
             probe = False
             if not res.transfer_ok:

@@ -61,6 +61,7 @@ class PrefillCall:
     use_prefix: bool = True
     n: int = 1  # choices: one first token each, sampled from the one prefill (the KV is sent once)
     prompt_logprobs: bool = False  # also the logprobs of the prompt's tokens (echo + logprobs)
+    kv_skip_tokens: int = 0  # the decode server holds these leading tokens' KV: send the rest only
 
 
 @dataclass
@@ -162,6 +163,9 @@ class PrefillStage:
                                f"this one has {len(call.prompt)}")
         if not 1 <= call.n <= MAX_CHOICES:
             raise RequestError(f"num_return_sequences must be in [1, {MAX_CHOICES}], got {call.n}")
+        if not 0 <= call.kv_skip_tokens < len(call.prompt):
+            raise RequestError(f"kv_skip_tokens must be in [0, {len(call.prompt) - 1}] (the prompt's length - 1), "
+                               f"got {call.kv_skip_tokens}")
         kv_dtype = call.kv_dtype or self.defaults.kv_dtype
         if kv_dtype not in wire.DTYPES:
             raise RequestError(f"unknown kv_dtype {kv_dtype!r}; use one of {sorted(wire.DTYPES)}")
@@ -209,7 +213,9 @@ class PrefillStage:
         info: Dict[str, Any] = {"transport": "none", "bytes": 0, "seconds": 0.0}
         ok = True
         if not q.call.skip_transfer:
-            hdr, payload = wire.encode(job.k, job.v, self.engine.compat_hash, q.kv_dtype)
+            s = q.call.kv_skip_tokens  # the decode server's prefix cache holds those: only the rest moves
+            hdr, payload = wire.encode(job.k[:, :, s:], job.v[:, :, s:], self.engine.compat_hash, q.kv_dtype,
+                                       start=s)
             try:
                 info = self.sender.send(q.url, q.transport, q.call.request_id, hdr, payload)
                 self.record_transfer(q.transport, info)

@@ -10,8 +10,10 @@ Choice: cost(server) = uncached prompt tokens + HETSERVE_ROUTER_LOAD_TOKENS x it
 cost wins (ties: the pool's round robin). Then conditional disaggregation: when the chosen server lacks at most
 HETSERVE_LOCAL_PREFILL_MAX_TOKENS of the prompt and already holds at least HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS
 of it, the prompt is prefilled on that server (its cache + the short suffix) and no KV moves; otherwise the
-prefill server prefills it and sends the KV. A stale view costs time, never correctness: the decode server
-looks the prefix up in its own cache (tokens compared, not only hashes) and computes whatever is missing.
+prefill server prefills it and sends only the KV of the tokens after the held whole blocks (wire header
+`start`); the decode server joins its cached blocks with it, recomputing any it lost meanwhile. A stale view
+costs time, never correctness: the decode server looks the prefix up in its own cache (tokens compared, not
+only hashes) and computes whatever is missing.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class Route:
     """The router's verdict for one request on the server picked with its cost()."""
     hit_tokens: int      # prompt tokens the server is expected to hold
     local: bool          # prefill on the decode server
+    whole_blocks: int = 0  # hit_tokens rounded down to whole cache blocks: the KV a handoff may leave out
 
 
 class PrefixRouter:
@@ -94,7 +97,7 @@ class PrefixRouter:
         hit = min(self.hit_tokens(url, hashes), max(prompt_len - 1, 0))
         c = self.config
         local = (prompt_len - hit <= c.local_prefill_max_tokens and hit >= c.local_prefill_min_hit_tokens)
-        return Route(hit, local)
+        return Route(hit, local, hit // self.block * self.block)
 
     def routed(self, url: str, ids: Sequence[int]) -> None:
         """The KV of `ids` now lives on `url` (a sequence ended there: the server caches prompt + answer)."""

@@ -36,6 +36,7 @@ class PrefillJob:
     kv_dtype: Optional[str] = None
     n: int = 1                       # choices: the first token of each is sampled from the one prefill
     prompt_logprobs: bool = False    # also the prompt tokens' logprobs
+    kv_skip_tokens: int = 0          # decode_url holds these leading tokens' KV (the router): send the rest only
 
 
 @dataclass

@@ -99,6 +99,8 @@ class BlsPrefill:
             ins.append(pb_utils.Tensor("num_return_sequences", np.array([job.n], np.int32)))
         if job.prompt_logprobs:
             ins.append(pb_utils.Tensor("return_prompt_log_probs", np.array([True])))
+        if job.kv_skip_tokens:
+            ins.append(pb_utils.Tensor("kv_skip_tokens", np.array([job.kv_skip_tokens], np.int32)))
         ins += [pb_utils.Tensor(n, a) for n, a in schema.sampling_arrays(job.params)]
         names = ["first_token", "transfer_ok", "transport_used"]
         if job.params.wants_logprobs:

@@ -187,7 +187,8 @@ class TritonPythonModel:
                            schema.scalar(t, "transport", None, str), schema.scalar(t, "kv_dtype", None, str), url,
                            bool(schema.scalar(t, "skip_transfer", False)), bool(schema.scalar(t, "prefix_cache", True)),
                            n=schema.scalar(t, "num_return_sequences", 1, int),
-                           prompt_logprobs=bool(schema.scalar(t, "return_prompt_log_probs", False)))
+                           prompt_logprobs=bool(schema.scalar(t, "return_prompt_log_probs", False)),
+                           kv_skip_tokens=schema.scalar(t, "kv_skip_tokens", 0, int))
         self.stage.submit(call, _Reply(sender, call.request_id))
 
     def execute(self, requests):
