@@ -14,6 +14,7 @@ come from the servers, not from a model of them.
 
     python3 loadtest/multiturn.py --conversations 12 --rate 0.1 --json /tmp/multiturn.json   # this 2-core box
     python3 loadtest/multiturn.py --routing on --decode-servers 2 --turns 4 --max-tokens 32
+    python3 loadtest/multiturn.py --env HETSERVE_LOCAL_PREFILL_MAX_TOKENS=128   # a routing setting, both runs
 
 Report: TTFT p50/p99 and TPOT p50 by kind and turn (1 vs >= 2), goodput (share of requests with TTFT <= --slo-ttft
 and TPOT <= --slo-tpot), KV bytes per request, prefix hit tokens per prompt token. Text is seeded word salad from
@@ -163,7 +164,8 @@ def report(a, results: List[dict], counters: Dict[str, float], wall_s: float) ->
 
 
 def one_run(a, routing: bool) -> dict:
-    env = {"HETSERVE_BREAKER_P99_MS": "600000", "HETSERVE_KV_ROUTING": "1" if routing else "0"}
+    env = {"HETSERVE_BREAKER_P99_MS": "600000", "HETSERVE_KV_ROUTING": "1" if routing else "0",
+           **dict(kv.split("=", 1) for kv in a.env)}
     with openai_stack(a.engine_dir, a.base_port, env, n_decode=a.decode_servers) as (cluster, url):
         servers = [f"127.0.0.1:{a.base_port + 2}"] + [cluster.decode_metrics(i) for i in range(a.decode_servers)]
         before = scrape(servers)
@@ -201,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", choices=("both", "on", "off"), default="both",
                     help="KV-aware routing on, off (least loaded, every prompt prefilled on the prefill server), or "
                          "both one after the other (each in a fresh stack)")
+    ap.add_argument("--env", action="append", default=[], metavar="HETSERVE_X=V",
+                    help="server settings for both runs, e.g. HETSERVE_LOCAL_PREFILL_MAX_TOKENS=128 (repeatable)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
 
