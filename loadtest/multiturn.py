@@ -166,8 +166,10 @@ def report(a, results: List[dict], counters: Dict[str, float], wall_s: float) ->
 def one_run(a, routing: bool) -> dict:
     env = {"HETSERVE_BREAKER_P99_MS": "600000", "HETSERVE_KV_ROUTING": "1" if routing else "0",
            **dict(kv.split("=", 1) for kv in a.env)}
-    with openai_stack(a.engine_dir, a.base_port, env, n_decode=a.decode_servers) as (cluster, url):
-        servers = [f"127.0.0.1:{a.base_port + 2}"] + [cluster.decode_metrics(i) for i in range(a.decode_servers)]
+    with openai_stack(a.engine_dir, a.base_port, env, n_decode=a.decode_servers,
+                      n_prefill=a.prefill_servers) as (cluster, url):
+        servers = ([f"127.0.0.1:{a.base_port + 10 * j + 2}" for j in range(a.prefill_servers)]
+                   + [cluster.decode_metrics(i) for i in range(a.decode_servers)])
         before = scrape(servers)
         t0 = time.perf_counter()
         results = asyncio.run(run_all(a, url))
@@ -192,6 +194,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine-dir", default=DEFAULT_ENGINE_DIR)
     ap.add_argument("--decode-servers", type=int, default=2)
+    ap.add_argument("--prefill-servers", type=int, default=1, help="> 1: behind nginx (least_conn)")
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--rate", type=float, default=0.1, help="conversations starting per second (Poisson)")

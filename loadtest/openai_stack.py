@@ -21,20 +21,25 @@ def pct(xs: List[float], q: float) -> float:
 
 @contextlib.contextmanager
 def openai_stack(engine_dir: str, base_port: int, env: Optional[dict] = None, n_decode: int = 1,
-                 static_decode: bool = False) -> Iterator[Tuple[object, str]]:
-    """(the LocalCluster, the frontend's base URL); prefill on base_port.., decode on base_port+1000..,
-    the frontend on base_port+80."""
+                 static_decode: bool = False, n_prefill: int = 1) -> Iterator[Tuple[object, str]]:
+    """(the LocalCluster, the frontend's base URL); prefill on base_port (+10 per replica).., decode on
+    base_port+1000.., the frontend on base_port+80; with several prefill servers the frontend talks to an nginx
+    in front of them (least_conn, as `hetserve up` runs it) on base_port+90/91."""
     from hetserve.cluster import LocalCluster
     from hetserve.engines.builder import build_engines
     from hetserve.openai_api.process import FrontendProcess, FrontendSpec
 
     build_engines(None, engine_dir)
     cluster = LocalCluster(engine_dir, base_port=base_port, n_decode=n_decode, env=env,
-                           static_decode=static_decode)
+                           static_decode=static_decode, n_prefill=n_prefill)
     fe = None
     try:
         cluster.start(300)
-        fe = FrontendProcess(FrontendSpec(cluster.prefill_grpc, base_port + 80, engine_dir))
+        grpc_url = cluster.prefill_grpc
+        if n_prefill > 1:
+            lb = cluster.start_lb(base_port + 90, base_port + 91)
+            grpc_url = f"127.0.0.1:{lb.grpc_port}"
+        fe = FrontendProcess(FrontendSpec(grpc_url, base_port + 80, engine_dir))
         fe.start().wait_ready(180)
         yield cluster, fe.spec.url
     finally:
