@@ -410,3 +410,21 @@ def test_decode_recomputes_blocks_its_cache_lost_before_the_transfer_came(routed
     seq = routed_stage.sched.seqs[-1]
     assert seq.k.shape[2] == 35 and np.array_equal(seq.k[:, :, 32:], k[:, :, 32:])
     assert routed_stage.metrics.get("hetserve_kv_recompute_total", reason="prefix_evicted") == 1
+
+
+def test_admission_threads_run_at_a_lower_priority():
+    """The decode server's admission pool (local prefill, recompute) is niced so the decode steps of running
+    streams keep the core (HETSERVE_DECODE_PREFILL_NICE); other threads keep theirs."""
+    import os
+    import threading
+
+    from hetserve.bounded import BoundedExecutor, nice_this_thread
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ex = BoundedExecutor(1, 1, "unit-nice", initializer=lambda: nice_this_thread(10))
+    try:
+        got = ex.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(5)
+    finally:
+        ex.shutdown()
+    assert got == min(19, mine + 10)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine

@@ -123,6 +123,9 @@ _VARS: List[Var] = [
     Var("HETSERVE_LOCAL_PREFILL_MAX_TOKENS", int, 512, "prefill on the decode server when it lacks at most this many "
         "prompt tokens (0: never)", min=0),
     Var("HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS", int, 64, "... and holds at least this many of them", min=0),
+    Var("HETSERVE_DECODE_PREFILL_NICE", int, 10, "nice increment of the decode server's admission threads, which "
+        "prefill prompts there (local prefill, recompute): the running streams' decode steps go first; 0: off",
+        min=0, max=19),
     Var("HETSERVE_ROUTER_REFRESH_S", float, 2.0, f"how often the router reads each decode server's block list, {_S}",
         min=0.05),
     # ---- KV transfer ----------------------------------------------------------------------------------------

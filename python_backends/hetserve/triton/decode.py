@@ -12,7 +12,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .. import config
-from ..bounded import BoundedExecutor
+from ..bounded import BoundedExecutor, nice_this_thread
 from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..kv.blocks import BlockPool
@@ -176,7 +176,10 @@ class TritonPythonModel:
         self.snapshots = Snapshotter.from_env(e0.compat_hash)
         self.sched.snapshotter = self.snapshots
         # admission work (waiting for KV, recompute) off the request thread; bounded like the scheduler queue
-        self.admit = BoundedExecutor(8, max_queue, "decode-admit")
+        # ... at a lower CPU priority: a prompt prefilled here (local prefill, recompute) yields the core to the
+        # decode steps of the streams already running (their TPOT), HETSERVE_DECODE_PREFILL_NICE
+        nice = int(config.get("HETSERVE_DECODE_PREFILL_NICE"))
+        self.admit = BoundedExecutor(8, max_queue, "decode-admit", initializer=lambda: nice_this_thread(nice))
         self.outbox = TokenOutbox()
         self.stage = DecodeStage(
             engines, cfg, e0.compat_hash, self.sched, self.admit, PendingKV.from_env(),
