@@ -175,7 +175,10 @@ def test_dns_discovery_end_to_end(engine_dir, tmp_path, monkeypatch):
         env={**light, "HETSERVE_DECODE_URL": "", "HETSERVE_DECODE_DNS": f"{HOSTS_NAME}:{dport + 1}",
              "HETSERVE_HEALTH_INTERVAL_S": "1", "HETSERVE_KV_TRANSPORT": "grpc", "HETSERVE_BREAKER_P99_MS": "60000",
              # a busy CI box must not fail canaries (a member marked down would skew the routing counts below)
-             "HETSERVE_HEALTH_TIMEOUT_S": "20"}))
+             "HETSERVE_HEALTH_TIMEOUT_S": "20",
+             # load-only routing: this test counts how the pool spreads requests over DNS members; the KV-aware
+             # router would send these one-at-a-time prompts (same chat template) to the member holding its blocks
+             "HETSERVE_KV_ROUTING": "0"}))
     procs = list(decodes.values()) + [prefill]
     try:
         for p in decodes.values():

@@ -52,8 +52,12 @@ def test_custom_metrics_count_real_traffic(topology, prompt_ids, engine_dir):
     before_p, before_d = scrape(pm), scrape(dm)
     prompt = next(iter(prompt_ids.values()))
     n_tok = 8
+    # a fresh prompt per transport: no decode server holds any of its blocks, so the KV-aware router sends all
+    # of its KV (a prompt seen before would only send what the decode server lacks)
+    rng = np.random.default_rng()
+    fresh = {t: [1] + rng.integers(100, 40000, 40).tolist() for t in ("grpc", "shm", "nixl")}
     for transport in ("grpc", "shm", "nixl"):
-        g = generate(topology.prefill_grpc, None, input_ids=prompt, max_tokens=n_tok, ignore_eos=True,
+        g = generate(topology.prefill_grpc, None, input_ids=fresh[transport], max_tokens=n_tok, ignore_eos=True,
                      transport=transport, kv_dtype="fp16", timeout_s=60)
         assert len(g.token_ids) == n_tok
     generate(topology.prefill_grpc, None, model="aggregated", input_ids=prompt, max_tokens=n_tok, ignore_eos=True,
@@ -76,7 +80,7 @@ def test_custom_metrics_count_real_traffic(topology, prompt_ids, engine_dir):
     assert all(("server", "decode") in lab for (n, lab) in d if n.startswith("hetserve_"))
 
     # KV bytes are exact: fp16 KV of the prompt, once per transport.
-    kv_fp16 = len(prompt) * topology_config(engine_dir).kv_bytes_per_token(2)
+    kv_fp16 = len(fresh["grpc"]) * topology_config(engine_dir).kv_bytes_per_token(2)
     for t in ("grpc", "shm", "nixl"):
         delta = total(p, "hetserve_kv_transfer_bytes_total", transport=t) - \
             total(before_p, "hetserve_kv_transfer_bytes_total", transport=t)

@@ -34,7 +34,10 @@ def servers(engine_dir, tmp_path_factory):
 
     logs = tmp_path_factory.mktemp("transport-live")
     cpus = split_cpus()
-    common = {"HETSERVE_BREAKER_P99_MS": "60000", "HETSERVE_DECODE_ENGINES": "decode_fp32", "HETSERVE_THREADS": "1"}
+    # HETSERVE_KV_ROUTING=0: every request's whole KV crosses on its transport (the tests below count it); with
+    # KV-aware routing a prompt sent again would move only the blocks the decode server lacks
+    common = {"HETSERVE_BREAKER_P99_MS": "60000", "HETSERVE_DECODE_ENGINES": "decode_fp32", "HETSERVE_THREADS": "1",
+              "HETSERVE_KV_ROUTING": "0"}
     decode = ServerSpec("decode", BASE + 10, BASE + 11, BASE + 12, engine_dir, cpus=cpus["decode"], env=common,
                         log_file=str(logs / "decode.log"))
     prefill = ServerSpec("prefill", BASE, BASE + 1, BASE + 2, engine_dir, cpus=cpus["prefill"],

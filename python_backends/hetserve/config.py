@@ -114,17 +114,17 @@ _VARS: List[Var] = [
     Var("HETSERVE_PREFIX_BLOCK_TOKENS", int, 8, "prefix cache granularity: only whole blocks of this many tokens "
         "match", min=1, max=256),
     # ---- KV-aware routing (stages/router.py) ----------------------------------------------------------------
-    Var("HETSERVE_KV_ROUTING", bool, True, "route by the decode servers' prefix caches and prefill short uncached "
-        "suffixes there; 0: least-loaded decode server, every prompt prefilled on the prefill server"),
-    Var("HETSERVE_DECODE_PREFIX_CACHE_MB", float, 512.0, f"each decode server's cache of ended sequences' KV, {_MB}; "
-        "0 disables (and with it local prefill's reuse)", min=0),
+    Var("HETSERVE_KV_ROUTING", bool, True, "KV-aware routing + local prefill (stages/router.py); 0: least loaded, "
+        "all prefill on the prefill server"),
+    Var("HETSERVE_DECODE_PREFIX_CACHE_MB", float, 512.0, f"decode server's cache of ended sequences' KV, {_MB}; 0: off",
+        min=0),
     Var("HETSERVE_ROUTER_LOAD_TOKENS", int, 256, "routing cost of one more stream in flight on a decode server, in "
         "uncached prompt tokens", min=0),
     Var("HETSERVE_LOCAL_PREFILL_MAX_TOKENS", int, 512, "prefill on the decode server when it lacks at most this many "
         "prompt tokens (0: never)", min=0),
     Var("HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS", int, 64, "... and holds at least this many of them", min=0),
-    Var("HETSERVE_DECODE_PREFILL_NICE", int, 10, "nice increment of the decode server's admission threads, which "
-        "prefill prompts there (local prefill, recompute): the running streams' decode steps go first; 0: off",
+    Var("HETSERVE_DECODE_PREFILL_NICE", int, 10, "nice of the decode server's admission threads (local prefill, "
+        "recompute), so decode steps go first; 0: off",
         min=0, max=19),
     Var("HETSERVE_ROUTER_REFRESH_S", float, 2.0, f"how often the router reads each decode server's block list, {_S}",
         min=0.05),
