@@ -413,8 +413,8 @@ def test_decode_recomputes_blocks_its_cache_lost_before_the_transfer_came(routed
 
 
 def test_admission_threads_run_at_a_lower_priority():
-    """The decode server's admission pool (local prefill, recompute) is niced so the decode steps of running
-    streams keep the core (HETSERVE_DECODE_PREFILL_NICE); other threads keep theirs."""
+    """HETSERVE_DECODE_PREFILL_NICE > 0: the decode server's admission pool (local prefill, recompute) runs niced
+    so the decode steps of running streams keep the core; other threads keep their priority."""
     import os
     import threading
 

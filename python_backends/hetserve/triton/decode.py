@@ -176,8 +176,8 @@ class TritonPythonModel:
         self.snapshots = Snapshotter.from_env(e0.compat_hash)
         self.sched.snapshotter = self.snapshots
         # admission work (waiting for KV, recompute) off the request thread; bounded like the scheduler queue
-        # ... at a lower CPU priority: a prompt prefilled here (local prefill, recompute) yields the core to the
-        # decode steps of the streams already running (their TPOT), HETSERVE_DECODE_PREFILL_NICE
+        # ... optionally at a lower CPU priority (HETSERVE_DECODE_PREFILL_NICE): a prompt prefilled here (local
+        # prefill, recompute) then yields the core to the running streams' decode steps (TPOT over TTFT)
         nice = int(config.get("HETSERVE_DECODE_PREFILL_NICE"))
         self.admit = BoundedExecutor(8, max_queue, "decode-admit", initializer=lambda: nice_this_thread(nice))
         self.outbox = TokenOutbox()
