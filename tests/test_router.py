@@ -30,14 +30,6 @@ from test_stages import (
 BT = 8
 
 
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
-
-
 # ---- the router's index and choice ----------------------------------------------------------------------------
 def test_router_counts_leading_blocks_and_weighs_load():
     r = PrefixRouter(BT, "seed", RouterConfig(load_tokens=100))
@@ -68,11 +60,11 @@ def test_route_prefills_on_the_decode_server_only_for_a_short_uncached_suffix_of
 
 
 def test_refresh_replaces_the_view_but_keeps_recently_routed_blocks():
-    clock = Clock()
-    r = PrefixRouter(BT, "s", RouterConfig(recent_s=30.0), clock=clock)
+    now = [100.0]
+    r = PrefixRouter(BT, "s", RouterConfig(recent_s=30.0), clock=lambda: now[0])
     old, new = list(range(64)), list(range(500, 564))
     r.routed("a", old)
-    clock.t += 60  # old is no longer recent
+    now[0] += 60  # old is no longer recent
     r.routed("a", new)
     published = r.hashes(list(range(900, 964)))
     r.refresh("a", published)
