@@ -117,16 +117,20 @@ class PrefixCache:
             v = np.concatenate([b.v for b in found], axis=2)
         return n, k, v
 
+    def _leading(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys` (a chain) are cached from the first on; the caller holds the lock."""
+        for i, key in enumerate(keys):
+            if key not in self._lru:
+                return i
+        return len(keys)
+
     def cached_blocks(self, ids: Sequence[int]) -> int:
         """How many leading whole blocks of `ids` are cached (no LRU touch, not counted as a lookup)."""
         if not self.enabled:
             return 0
         keys = block_hashes(ids, self.block, self.seed)
         with self._lock:
-            for i, key in enumerate(keys):
-                if key not in self._lru:
-                    return i
-        return len(keys)
+            return self._leading(keys)
 
     def insert_from(self, ids: Sequence[int], read: Callable[[int], Tuple[np.ndarray, np.ndarray]]) -> int:
         """Store the whole blocks of `ids`, reading KV only for the blocks not cached yet: read(start) returns
@@ -134,14 +138,14 @@ class PrefixCache:
         from the decode batch, so a conversation's next turn copies only its new blocks."""
         if not self.enabled or len(ids) < self.block:
             return 0
-        start = self.cached_blocks(ids) * self.block
-        if start == len(ids) // self.block * self.block:
-            with self._lock:  # all cached already: only refresh their recency
-                keys = [k for k in block_hashes(ids, self.block, self.seed) if k in self._lru]
+        keys = block_hashes(ids, self.block, self.seed)
+        with self._lock:
+            have = self._leading(keys)
+            if have == len(keys):  # all cached already: only refresh their recency
                 self._touch(keys)
-            return 0
-        k, v = read(start)
-        return self.insert(ids, k, v, start=start)
+                return 0
+        k, v = read(have * self.block)
+        return self._insert(ids, keys, k, v, have * self.block)
 
     def held(self, limit: int) -> List[bytes]:
         """The keys of up to `limit` cached blocks, most recently used first (what a decode server publishes to
@@ -160,6 +164,10 @@ class PrefixCache:
         whose parent is gone could never be found). Returns blocks added."""
         if not self.enabled:
             return 0
+        return self._insert(ids, block_hashes(ids, self.block, self.seed), k, v, start)
+
+    def _insert(self, ids: Sequence[int], keys: List[bytes], k: np.ndarray, v: np.ndarray, start: int) -> int:
+        """insert() with the chain's keys already computed (insert_from hashes once)."""
         if start % self.block:
             raise ValueError(f"start {start} is not a multiple of the block ({self.block} tokens)")
         if k.shape != v.shape or k.ndim != 4 or start + k.shape[2] < len(ids) // self.block * self.block:
@@ -167,7 +175,6 @@ class PrefixCache:
         per_block = 2 * k[:, :, :self.block].size * np.dtype(np.float32).itemsize
         if per_block > self.budget:
             return 0
-        keys = block_hashes(ids, self.block, self.seed)
         first = start // self.block
         added = 0
         with self._lock:

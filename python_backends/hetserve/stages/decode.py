@@ -62,8 +62,7 @@ class PendingKV:
 
     def __init__(self, max_entries: int = 256, max_bytes: int = 1 << 30, ttl_s: float = PENDING_TTL_S,
                  clock: Callable[[], float] = time.monotonic):
-        self._d: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
-        self._start: Dict[str, int] = {}  # entries that begin after position 0
+        self._d: Dict[str, Tuple[np.ndarray, np.ndarray, float, int]] = {}  # k, v, arrived, start
         self._shares: Dict[str, int] = {}  # forked KV (choices of n): takes left after this one
         self._cv = threading.Condition()
         self.max_entries, self.max_bytes, self.ttl_s, self.clock = max_entries, max_bytes, ttl_s, clock
@@ -76,16 +75,16 @@ class PendingKV:
         return cls(config.get("HETSERVE_PENDING_KV_MAX"), int(config.get("HETSERVE_PENDING_KV_MB") * (1 << 20)))
 
     def _drop(self, rid) -> TakenKV:
-        k, v, _ = self._d.pop(rid)
+        k, v, _, start = self._d.pop(rid)
         self._shares.pop(rid, None)
         self.nbytes -= k.nbytes + v.nbytes
-        return TakenKV(k, v, self._start.pop(rid, 0))
+        return TakenKV(k, v, start)
 
     def put(self, rid, k, v, start: int = 0):
         size = k.nbytes + v.nbytes
         with self._cv:
             now = self.clock()
-            for old in [x for x, (_, _, t) in self._d.items() if now - t > self.ttl_s]:
+            for old in [x for x, (_, _, t, _) in self._d.items() if now - t > self.ttl_s]:
                 self._drop(old)
             if rid in self._d:
                 self._drop(rid)
@@ -93,9 +92,7 @@ class PendingKV:
                 raise Overloaded(f"pending KV full ({len(self._d)} transfers, {self.nbytes / 2**20:.0f} MiB of "
                                  f"{self.max_bytes / 2**20:.0f} MiB) waiting for their generate requests",
                                  where="decode pending KV")
-            self._d[rid] = (k, v, now)
-            if start:
-                self._start[rid] = start
+            self._d[rid] = (k, v, now, start)
             self.nbytes += size
             self._cv.notify_all()
 
@@ -114,11 +111,20 @@ class PendingKV:
             if left_after <= 0:
                 return self._drop(rid)
             self._shares[rid] = left_after
-            k, v, _ = self._d[rid]
-            return TakenKV(k, v, self._start.get(rid, 0))
+            k, v, _, start = self._d[rid]
+            return TakenKV(k, v, start)
 
     def __len__(self):
         return len(self._d)
+
+
+def _prefill_on(eng, ids, past_k, past_v):
+    """eng.prefill of `ids` after the KV past_k/past_v (None: from the start): logits of ids[-1] and the KV of
+    past + ids."""
+    if past_k is None:
+        return eng.prefill(ids)
+    logits, k, v = eng.prefill(ids, past_k=past_k, past_v=past_v)
+    return logits, np.concatenate([past_k, k], axis=2), np.concatenate([past_v, v], axis=2)
 
 
 def call_from_tensors(t: schema.Tensors) -> DecodeCall:
@@ -370,9 +376,7 @@ class DecodeStage:
         self.metrics.inc(LOCAL_PREFILL_TOKENS_METRIC, len(ids) - n)
         if n:
             self.metrics.inc(PREFIX_HIT_METRIC, n)
-            logits, tk, tv = eng.prefill(ids[n:], past_k=pk, past_v=pv)
-            return logits, np.concatenate([pk, tk], axis=2), np.concatenate([pv, tv], axis=2)
-        return eng.prefill(ids)
+        return _prefill_on(eng, ids[n:], pk, pv)
 
     def context_kv(self, call: DecodeCall, prec: str):
         """KV of prompt + output_ids[:-1]: the transferred KV, else a snapshot + the tail, else a recompute
@@ -396,8 +400,8 @@ class DecodeStage:
                 self.metrics.inc("hetserve_snapshot_restores_total")
                 if n == len(ctx):
                     return k, v
-                _, tk, tv = eng.prefill(ctx[n:], past_k=k, past_v=v)
-                return np.concatenate([k, tk], axis=2), np.concatenate([v, tv], axis=2)
+                _, k, v = _prefill_on(eng, ctx[n:], k, v)
+                return k, v
         # KV missing (timeout, failed transfer, or resume without snapshot): recompute it here.
         reason = ("resume" if not first else "transfer_failed" if not call.kv_sent
                   else "timeout" if got is None else "mismatch")
@@ -415,9 +419,7 @@ class DecodeStage:
             self.counters["recompute"] += 1
             self.metrics.inc("hetserve_kv_recompute_total", reason="prefix_evicted")
             self.metrics.inc(LOCAL_PREFILL_TOKENS_METRIC, s - n)
-            _, gk, gv = eng.prefill(ctx[n:s], past_k=pk, past_v=pv) if n else eng.prefill(ctx[:s])
-            pk = gk if pk is None else np.concatenate([pk, gk], axis=2)
-            pv = gv if pv is None else np.concatenate([pv, gv], axis=2)
+            _, pk, pv = _prefill_on(eng, ctx[n:s], pk, pv)
         assert pk is not None and pv is not None  # s > 0: either the cache or the gap's prefill gave KV
         return np.concatenate([pk, got.k], axis=2), np.concatenate([pv, got.v], axis=2)
 

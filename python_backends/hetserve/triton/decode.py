@@ -16,8 +16,6 @@ from ..bounded import BoundedExecutor, nice_this_thread
 from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..kv.blocks import BlockPool
-
-# PendingKV re-exported for existing callers (tests/test_hardening.py)
 from ..kv.prefix import PrefixCache
 from ..kv.snapshot import Snapshotter
 from ..sampling import TokenLogprobs
@@ -28,7 +26,7 @@ from ..stages.decode import (
     RECOMPUTE_REASONS,
     DecodeConfig,
     DecodeStage,
-    PendingKV,
+    PendingKV,  # re-exported for existing callers (tests/test_hardening.py)
 )
 from .common import (
     engine_dir,
