@@ -44,19 +44,53 @@ def test_router_counts_leading_blocks_and_weighs_load():
     assert PrefixRouter(BT, "other-model").hashes(conv) != hs  # hashes are per build (compat hash seed)
 
 
+def _route(r, url, ids, streams=0, queued=0):
+    """route() for `url` as if the pool priced it with `streams` in flight."""
+    costing = r.cost(r.hashes(ids), len(ids))
+    costing(url, streams)
+    return r.route(url, costing, queued)
+
+
 def test_route_prefills_on_the_decode_server_only_for_a_short_uncached_suffix_of_a_real_hit():
     r = PrefixRouter(BT, "s", RouterConfig(local_prefill_max_tokens=96, local_prefill_min_hit_tokens=64))
     conv = list(range(400))
     r.routed("a", conv[:320])
-    hs = r.hashes(conv)
-    assert r.route("a", hs, 400).local is True and r.route("a", hs, 400).hit_tokens == 320
-    assert r.route("a", r.hashes(conv + list(range(100))), 500).local is False  # 180 uncached > 96
-    assert r.route("b", hs, 400).local is False  # nothing held: the prefill server does it
+    assert _route(r, "a", conv).local is True and _route(r, "a", conv).hit_tokens == 320
+    assert _route(r, "a", conv + list(range(100))).local is False  # 180 uncached > 96
+    assert _route(r, "b", conv).local is False  # nothing held: the prefill server does it
     short = list(range(40))
     r.routed("a", short)
-    assert r.route("a", r.hashes(short + [1, 2]), 42).local is False  # 40 held < 64: not a history worth it
+    assert _route(r, "a", short + [1, 2]).local is False  # 40 held < 64: not a history worth it
     # the whole prompt held: at most len - 1 counts (the last token's logits must be computed)
-    assert r.route("a", r.hashes(conv[:320]), 320).hit_tokens == 319
+    assert _route(r, "a", conv[:320]).hit_tokens == 319
+    # a member the costing never priced is looked up (and counted idle)
+    assert r.route("a", r.cost(r.hashes(conv), 400)).hit_tokens == 320
+
+
+def test_local_prefill_is_refused_when_it_would_stall_a_busy_decode_server_unless_prefill_is_backed_up():
+    r = PrefixRouter(BT, "s", RouterConfig(local_prefill_max_tokens=512, local_prefill_min_hit_tokens=64,
+                                           local_prefill_stall_tokens=256))
+    conv = list(range(600))
+    r.routed("a", conv[:400])  # 200 uncached
+    assert _route(r, "a", conv, streams=0).local is True  # idle: nothing to stall
+    assert _route(r, "a", conv, streams=1).local is True  # 200 x 1 <= 256
+    assert _route(r, "a", conv, streams=2).local is False  # 400 token-times of stall > 256: the prefill server
+    assert _route(r, "a", conv, streams=2).whole_blocks == 400  # ... which sends only the KV after the held blocks
+    assert _route(r, "a", conv, streams=2, queued=1200).local is True  # it would wait behind 1,200 tokens there
+    follow_up = conv[:400] + list(range(40))  # a short follow-up stays local on a busy server
+    assert _route(r, "a", follow_up, streams=6).local is True
+    off = PrefixRouter(BT, "s", RouterConfig(local_prefill_stall_tokens=0))
+    off.routed("a", conv[:400])
+    assert _route(off, "a", conv, streams=1).local is False and _route(off, "a", conv, streams=0).local is True
+
+
+def test_costing_remembers_what_it_saw_of_each_member():
+    r = PrefixRouter(BT, "s", RouterConfig(load_tokens=100))
+    conv = list(range(200))
+    r.routed("a", conv[:160])
+    costing = r.cost(r.hashes(conv), 200)
+    assert costing("a", 3) == 40 + 300 and costing("b", 0) == 200
+    assert costing.seen == {"a": (160, 3), "b": (0, 0)}
 
 
 def test_refresh_replaces_the_view_but_keeps_recently_routed_blocks():
@@ -172,6 +206,37 @@ def test_holder_dies_the_stream_moves_and_the_router_forgets_it():
     assert dec.opened[1][1].started.output_ids == [] and dec.opened[1][1].started.kv_sent is False
     assert sink.ids == [21, 22] and router.hit_tokens("a", router.hashes(history)) == 0
     assert m.get("hetserve_migrations_total") == 1
+
+
+def test_busy_holder_prefills_locally_only_while_the_prefill_side_is_backed_up():
+    """The holder decodes 3 streams: a 40-token suffix would stall them 120 token-times > 32, so with nothing
+    queued at the prefill server it goes there (only the KV after the held blocks moves). While another
+    request's 1,000 uncached tokens are at the prefill server, the same prompt is prefilled on the holder. The
+    backlog count returns to 0 after each prefill, failed ones included."""
+    history = list(range(100, 180))
+    prompt = history + list(range(40))
+    pool = CostPool(["a"])
+    dec = FakeDecodeClient({"a": [([TokenChunk([11], "length")], None), ([TokenChunk([12], "length")], None)]})
+    pre = FakePrefill()
+    orch, m, router = _routed_orch(dec, pool, pre, local_prefill_stall_tokens=32)
+    router.routed("a", history)
+    pool.leases["a"] = 3
+    orch.run(GenerateRequest(prompt, SamplingParams(max_tokens=2), "fp32"), FakeSink())
+    assert len(pre.jobs) == 1 and pre.jobs[0].kv_skip_tokens == 80 and orch._prefill_queued == 0
+    orch._prefill_queued = 1000  # as while a long prompt is being prefilled for another request
+    orch.run(GenerateRequest(prompt, SamplingParams(max_tokens=2), "fp32"), FakeSink())
+    assert len(pre.jobs) == 1 and dec.opened[1][1].started.output_ids == []
+    assert m.get(PREFILL_PLACEMENT_METRIC, where="decode") == 1
+    orch._prefill_queued = 0
+
+    class Failing(FakePrefill):
+        def prefill(self, job):
+            assert orch._prefill_queued == len(job.prompt) - job.kv_skip_tokens
+            raise RuntimeError("unit: prefill server gone")
+    orch.prefill = Failing()
+    with pytest.raises(RuntimeError):  # another 40-token suffix (the first two prompts are held whole by now)
+        orch.run(GenerateRequest(history + list(range(200, 240)), SamplingParams(max_tokens=2), "fp32"), FakeSink())
+    assert orch._prefill_queued == 0
 
 
 def test_n_choices_and_prompt_logprobs_always_use_the_prefill_server():

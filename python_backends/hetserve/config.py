@@ -123,6 +123,8 @@ _VARS: List[Var] = [
     Var("HETSERVE_LOCAL_PREFILL_MAX_TOKENS", int, 512, "prefill on the decode server when it lacks at most this many "
         "prompt tokens (0: never)", min=0),
     Var("HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS", int, 64, "... and holds at least this many of them", min=0),
+    Var("HETSERVE_LOCAL_PREFILL_STALL_TOKENS", int, 256, "... and uncached x its streams <= max(this, prompt tokens "
+        "queued at prefill)", min=0),
     # 0, not 10: measured back to back (multiturn.py, routing on), nice 10 cut TPOT p50 181 -> 162 ms but raised
     # follow-up TTFT p50 1.37 -> 2.55 s and goodput fell 0.030 -> 0.010 req/s (loadtest/README.md, issue 29)
     Var("HETSERVE_DECODE_PREFILL_NICE", int, 0, "nice of the decode server's admission threads (local prefill, "

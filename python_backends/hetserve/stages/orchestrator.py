@@ -135,6 +135,10 @@ class Orchestrator:
         self.eos_ids = list(eos_ids)
         self.config = config or OrchestratorConfig()
         self.metrics = metrics or NoMetrics()
+        # prompt tokens this orchestrator has at the prefill servers now (waiting or running): the router's measure
+        # of the prefill side's backlog (a local prefill may stall decode streams up to that much)
+        self._prefill_queued = 0
+        self._queue_lock = threading.Lock()
         # choices 2..n of n > 1 requests decode on these threads (choice 1 on the request's own)
         self._choice_workers = concurrent.futures.ThreadPoolExecutor(self.config.max_choice_threads,
                                                                      thread_name_prefix="llm-choice")
@@ -150,10 +154,10 @@ class Orchestrator:
             self.breaker.allow()  # raises BreakerOpen -> UNAVAILABLE at once
             probe = True
             router = self.router
-            hashes = router.hashes(req.prompt) if router is not None else []
-            member = lease[0] = self.pool.pick(cost=router.cost(hashes, len(req.prompt)) if router else None)
+            costing = router.cost(router.hashes(req.prompt), len(req.prompt)) if router is not None else None
+            member = lease[0] = self.pool.pick(cost=costing)
             rid = internal_request_id(req.request_id)
-            route = router.route(member, hashes, len(req.prompt)) if router is not None else None
+            route = router.route(member, costing, self._prefill_queued) if router and costing else None
             if route is not None:
                 self.metrics.inc(ROUTER_HIT_TOKENS_METRIC, route.hit_tokens)
             if route is not None and route.local and req.n == 1 and not req.prompt_logprobs:
@@ -165,17 +169,24 @@ class Orchestrator:
                         self.breaker.record(time.perf_counter() - t0)
                         probe = False
                 dreq = DecodeRequest(rid, list(req.prompt), [], req.params, req.precision, kv_sent=False,
-                                     send_interval_s=0.0 if sink.streaming
-                                     else self.config.whole_answer_send_interval_s)
+                                     send_interval_s=self._send_interval(sink))
                 self._decode(sink, dreq, lease, on_first=first_tokens)
                 return
             self.metrics.inc(PREFILL_PLACEMENT_METRIC, where="prefill")
             # the transport negotiated with this member (kv/transport); a fallback is counted + logged by the pool
             transport = self.pool.transport_for(member, req.transport)
             # the member's prefix cache holds the first hit_tokens: only the KV after them moves
-            res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, member, transport,
-                                                  req.kv_dtype, n=req.n, prompt_logprobs=req.prompt_logprobs,
-                                                  kv_skip_tokens=route.whole_blocks if route is not None else 0))
+            skip = route.whole_blocks if route is not None else 0
+            queued = len(req.prompt) - skip
+            with self._queue_lock:
+                self._prefill_queued += queued
+            try:
+                res = self.prefill.prefill(PrefillJob(rid, list(req.prompt), req.params, member, transport,
+                                                      req.kv_dtype, n=req.n, prompt_logprobs=req.prompt_logprobs,
+                                                      kv_skip_tokens=skip))
+            finally:
+                with self._queue_lock:
+                    self._prefill_queued -= queued
             self.breaker.record(time.perf_counter() - t0)
             probe = False
             if not res.transfer_ok:
@@ -196,7 +207,7 @@ class Orchestrator:
                     self.decode.release(member, rid)  # no decode for it: free the KV pushed to decode
                 return
             dreq = DecodeRequest(rid, list(req.prompt), [first], req.params, req.precision, kv_sent=res.transfer_ok,
-                                 send_interval_s=0.0 if sink.streaming else self.config.whole_answer_send_interval_s)
+                                 send_interval_s=self._send_interval(sink))
             self._decode(sink, dreq, lease)
         except Exception as e:
             from ..reliability import BreakerOpen
@@ -213,6 +224,10 @@ class Orchestrator:
                 self.breaker.release_probe()
             if lease[0] is not None:
                 self.pool.release(lease[0])
+
+    def _send_interval(self, sink: TokenSink) -> float:
+        """How often decode may send tokens: each at once for a stream, paced for one final answer."""
+        return 0.0 if sink.streaming else self.config.whole_answer_send_interval_s
 
     def _choices(self, req: GenerateRequest, sink: TokenSink, res, rid: str, lease: List[Optional[str]]) -> None:
         """n choices from one prefill: each pushes its own first token, the ones that go on decode on the member

@@ -7,10 +7,15 @@ HETSERVE_ROUTER_REFRESH_S) plus the ones it has sent there since (routed(): a fi
 which the server caches when the stream ends), so a conversation's next turn finds its history at once.
 
 Choice: cost(server) = uncached prompt tokens + HETSERVE_ROUTER_LOAD_TOKENS x its streams in flight; the lowest
-cost wins (ties: the pool's round robin). Then conditional disaggregation: when the chosen server lacks at most
-HETSERVE_LOCAL_PREFILL_MAX_TOKENS of the prompt and already holds at least HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS
-of it, the prompt is prefilled on that server (its cache + the short suffix) and no KV moves; otherwise the
-prefill server prefills it and sends only the KV of the tokens after the held whole blocks (wire header
+cost wins (ties: the pool's round robin). Then conditional disaggregation: the prompt is prefilled on that server
+(its cache + the suffix it lacks, no KV moves) when
+  - it lacks at most HETSERVE_LOCAL_PREFILL_MAX_TOKENS of the prompt and holds at least
+    HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS of it (a history worth reusing, a suffix worth no hop), and
+  - the stall this prefill puts on the streams it is decoding, uncached tokens x streams in flight there, is at
+    most HETSERVE_LOCAL_PREFILL_STALL_TOKENS or at most the prompt tokens already queued at the prefill servers
+    (what this request would wait behind there): a busy decode server keeps its TPOT unless the prefill side is
+    the bottleneck. Both sides in token-times of prefill work, the unit the planner models too.
+Otherwise the prefill server prefills it and sends only the KV of the tokens after the held whole blocks (wire header
 `start`); the decode server joins its cached blocks with it, recomputing any it lost meanwhile. A stale view
 costs time, never correctness: the decode server looks the prefix up in its own cache (tokens compared, not
 only hashes) and computes whatever is missing.
@@ -39,6 +44,7 @@ class RouterConfig:
     load_tokens: int = 256                # one more stream in flight weighs as much as this many uncached tokens
     local_prefill_max_tokens: int = 512   # prefill on the decode server when at most this much is uncached ...
     local_prefill_min_hit_tokens: int = 64  # ... and it holds at least this much of the prompt (0: always)
+    local_prefill_stall_tokens: int = 256  # ... and uncached x its streams <= max(this, tokens queued at prefill)
     max_blocks_per_server: int = 65536    # bound of each server's index (16 bytes a block)
     recent_s: float = 30.0                # routed blocks kept over a refresh that does not list them yet
 
@@ -48,7 +54,8 @@ class RouterConfig:
 
         return cls(load_tokens=int(config.get("HETSERVE_ROUTER_LOAD_TOKENS")),
                    local_prefill_max_tokens=int(config.get("HETSERVE_LOCAL_PREFILL_MAX_TOKENS")),
-                   local_prefill_min_hit_tokens=int(config.get("HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS")))
+                   local_prefill_min_hit_tokens=int(config.get("HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS")),
+                   local_prefill_stall_tokens=int(config.get("HETSERVE_LOCAL_PREFILL_STALL_TOKENS")))
 
 
 @dataclass
@@ -87,16 +94,20 @@ class PrefixRouter:
                 n += 1
         return n * self.block
 
-    def cost(self, hashes: Sequence[bytes], prompt_len: int) -> Callable[[str, int], float]:
-        """The pool's cost of sending this prompt to a member with `inflight` streams."""
-        def cost(url: str, inflight: int) -> float:
-            return (prompt_len - self.hit_tokens(url, hashes)) + self.config.load_tokens * inflight
-        return cost
+    def cost(self, hashes: Sequence[bytes], prompt_len: int) -> "Costing":
+        """The pool's cost of sending this prompt to a member (DecodePool.pick(cost=...)); it remembers what it
+        saw of each member for route()."""
+        return Costing(self, hashes, prompt_len)
 
-    def route(self, url: str, hashes: Sequence[bytes], prompt_len: int) -> Route:
-        hit = min(self.hit_tokens(url, hashes), max(prompt_len - 1, 0))
+    def route(self, url: str, costing: "Costing", prefill_queued_tokens: int = 0) -> Route:
+        """The verdict for `url` (picked with `costing`); prefill_queued_tokens: prompt tokens waiting or running
+        at the prefill servers now (the orchestrator's count)."""
+        held, streams = costing.seen.get(url) or (self.hit_tokens(url, costing.hashes), 0)
+        hit = min(held, max(costing.prompt_len - 1, 0))
+        uncached = costing.prompt_len - hit
         c = self.config
-        local = (prompt_len - hit <= c.local_prefill_max_tokens and hit >= c.local_prefill_min_hit_tokens)
+        local = (uncached <= c.local_prefill_max_tokens and hit >= c.local_prefill_min_hit_tokens
+                 and uncached * streams <= max(c.local_prefill_stall_tokens, prefill_queued_tokens))
         return Route(hit, local, hit // self.block * self.block)
 
     def routed(self, url: str, ids: Sequence[int]) -> None:
@@ -137,6 +148,20 @@ class PrefixRouter:
     def _trim(self, held: "collections.OrderedDict[bytes, float]") -> None:
         while len(held) > self.config.max_blocks_per_server:
             held.popitem(last=False)
+
+
+class Costing:
+    """cost(url, inflight) for DecodePool.pick; remembers (held tokens, streams in flight) of each member it
+    priced, so route() judges the chosen one as it was when chosen (and looks its hits up once)."""
+
+    def __init__(self, router: PrefixRouter, hashes: Sequence[bytes], prompt_len: int):
+        self.router, self.hashes, self.prompt_len = router, hashes, prompt_len
+        self.seen: Dict[str, "tuple[int, int]"] = {}
+
+    def __call__(self, url: str, inflight: int) -> float:
+        held = self.router.hit_tokens(url, self.hashes)
+        self.seen[url] = (held, inflight)
+        return (self.prompt_len - held) + self.router.config.load_tokens * inflight
 
 
 class Refresher:
