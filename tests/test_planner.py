@@ -33,16 +33,17 @@ from hetserve.planner.model import (
     LengthDist,
     Phase,
     PhaseCost,
+    Routing,
     StepCost,
     Workload,
     default_kv_dtype,
     fewest_instances,
     kv_transfer,
     mg1_wait,
-    predict,
     quantile_points,
     roofline,
 )
+from hetserve.planner.predict import predict
 from hetserve.planner.profiles import HARDWARE, KV_TIERS, LINKS, MODELS, PRECISIONS, HardwareProfile, ModelConfig
 from hetserve.planner.search import SearchSpace, plan
 
@@ -459,6 +460,65 @@ def test_calibrated_profile_predicts_serving_metrics():
 def _run(argv: list[str]) -> tuple[int, str]:
     out = io.StringIO()
     return cli.run(cli.build_parser().parse_args(argv), out), out.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# KV-aware routing (issue 29): partial handoffs and local prefill
+# ---------------------------------------------------------------------------------------------
+
+def _multi_turn(routing: Routing, qps: float = 0.3, hit: float = 0.75, decode_batch=None):
+    """A 4-turn chat's follow-up on this box's profile: 1,200-token prompts of which `hit` is history."""
+    m = MODELS["smollm2-135m"]
+    dep = Deployment(_phase("cpu-local", "fp32"), _phase("cpu-local", "fp32", instances=2), LINKS["loopback-shm"],
+                     routing=routing)
+    return predict(m, dep, Workload(qps, LengthDist(1200), LengthDist(32), prefix_hit=hit),
+                   decode_batch=decode_batch)
+
+
+def test_kv_aware_routing_moves_only_uncached_kv_and_prefills_short_suffixes_on_decode():
+    old = _multi_turn(Routing(kv_aware=False))
+    remote = _multi_turn(Routing(local_prefill_max_tokens=0))  # partial handoffs only
+    local = _multi_turn(Routing())
+    kv_token = MODELS["smollm2-135m"].kv_bytes_per_token("fp32")
+    assert old.kv_bytes_per_request == pytest.approx(1200 * kv_token)  # the whole history every turn
+    assert remote.kv_bytes_per_request == pytest.approx(300 * kv_token)  # only what the decode server lacks
+    assert old.local_prefill_share == remote.local_prefill_share == 0.0
+    # 300 uncached <= 512, 900 held >= 64, an idle decode server: prefilled there, no KV moves, no prefill queue
+    assert local.local_prefill_share == 1.0 and local.kv_bytes_per_request == 0.0
+    assert local.prefill_utilization == 0.0 and local.queue_wait_s == 0.0
+    assert local.ttft_mean_s < remote.ttft_mean_s <= old.ttft_mean_s
+    # ... and the decode instances pay for it: their time goes to prefill, their streams wait
+    assert 0.0 < local.decode_prefill_utilization < 1.0
+    assert local.tpot_s == pytest.approx(remote.tpot_s / (1 - local.decode_prefill_utilization), rel=0.05)
+    assert local.tpot_s > remote.tpot_s
+    # no history: nothing changes (the old predictions stand)
+    assert _multi_turn(Routing(), hit=0.0).ttft_mean_s == _multi_turn(Routing(kv_aware=False), hit=0.0).ttft_mean_s
+
+
+def test_router_stall_rule_keeps_busy_decode_instances_decoding():
+    """16 streams per decode instance: a 300-token local prefill would stall 15 streams by 4,500 token-times,
+    far over 256, and at 0.3 req/s almost nothing is queued at prefill: every prompt goes to the prefill side.
+    With a stall budget that large they stay local."""
+    busy = _multi_turn(Routing(), decode_batch=16)
+    assert busy.local_prefill_share == 0.0 and busy.decode_prefill_utilization == 0.0
+    assert busy.kv_bytes_per_request > 0
+    assert _multi_turn(Routing(local_prefill_stall_tokens=4500), decode_batch=16).local_prefill_share == 1.0
+    with pytest.raises(ValueError):
+        Workload(1.0, LengthDist(10), LengthDist(10), prefix_hit=1.0)
+    with pytest.raises(ValueError):
+        Routing(local_prefill_max_tokens=-1)
+
+
+def test_cli_shows_the_routing_split():
+    args = ["--hw", "cpu-local", "--precisions", "fp32", "--prefill-instances", "1", "--decode-instances", "2",
+            "--qps", "0.3", "--prompt-len", "1200", "--output-len", "32", "--prefix-hit", "0.75"]
+    rc, text = _run(args)
+    assert "(75% cached)" in text and "KV-aware: 100% of prompts prefilled on their decode instance" in text
+    rc, text = _run(args + ["--no-kv-routing", "--json"])
+    doc = json.loads(text)
+    rec = doc["recommendation"]
+    assert rec["local_prefill_share"] == 0.0 and rec["deployment"]["routing"]["kv_aware"] is False
+    assert doc["workload"]["prefix_hit"] == 0.75
 
 
 def test_cli_feasible_table():

@@ -14,12 +14,13 @@ from .calibration import (
     measurement_predictions,
     predict_points,
 )
-from .model import SLO, Deployment, LengthDist, Phase, PlanWarning, Prediction, Workload, predict
+from .model import SLO, Deployment, LengthDist, Phase, PlanWarning, Routing, Workload
+from .predict import Prediction, predict
 from .profiles import HARDWARE, KV_TIERS, LINKS, MODELS, HardwareProfile, KVTier, LinkProfile, ModelConfig
 from .search import PlanResult, SearchSpace, plan
 
 __all__ = [
-    "SLO", "Deployment", "LengthDist", "Measurements", "Phase", "PlanResult", "PlanWarning", "Prediction",
+    "SLO", "Deployment", "LengthDist", "Measurements", "Phase", "PlanResult", "PlanWarning", "Prediction", "Routing",
     "SearchSpace", "Workload", "calibrate", "calibrate_link", "calibrate_links", "calibration_report",
     "measurement_predictions", "plan", "predict", "predict_points",
     "HARDWARE", "KV_TIERS", "LINKS", "MODELS", "HardwareProfile", "KVTier", "LinkProfile",

@@ -20,8 +20,8 @@ from .model import (
     context_tokens,
     default_kv_dtype,
     kv_transfer,
-    predict,
 )
+from .predict import predict
 from .profiles import HARDWARE, KV_TIERS, LINKS, MODELS, HardwareProfile, LinkProfile, ModelConfig, lookup
 
 CALIBRATION_PRIOR = 1e-6  # weight of the pull towards the profile's mfu/bw_eff (log space)

@@ -18,7 +18,8 @@ from typing import Any, Optional, Sequence, TextIO
 
 from .calibration import Measurements, calibrate, calibrate_links, calibration_report
 from .measure import MeasureConfig, MeasureError, holdout_report, measure, render_holdout
-from .model import SLO, LengthDist, Prediction, Workload
+from .model import SLO, LengthDist, Routing, Workload
+from .predict import Prediction
 from .profiles import (
     HARDWARE,
     KV_TIERS,
@@ -80,6 +81,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         s.add_argument(f"--{name}-std", type=float, default=0.0, help=f"{name} length std (default 0)")
         s.add_argument(f"--{name}-dist", choices=("fixed", "normal", "lognormal"),
                        help=f"{name} length distribution (default: fixed, lognormal when --{name}-std > 0)")
+
+    r = parser.add_argument_group("KV-aware routing (multi-turn: README 'KV-aware routing')")
+    r.add_argument("--prefix-hit", type=float, default=0.0, metavar="SHARE",
+                   help="share of each prompt already in the caches, e.g. 0.75 for 4-turn chats (default 0)")
+    r.add_argument("--no-kv-routing", action="store_true",
+                   help="the old path: the whole prompt's KV moves, every prompt prefilled on prefill")
+    for name, default in (("max", Routing.local_prefill_max_tokens), ("min-hit", Routing.local_prefill_min_hit_tokens),
+                          ("stall", Routing.local_prefill_stall_tokens)):
+        r.add_argument(f"--local-prefill-{name}-tokens", type=int, default=default,
+                       help=f"HETSERVE_LOCAL_PREFILL_{name.upper().replace('-', '_')}_TOKENS (default %(default)s)")
 
     o = parser.add_argument_group("calibration and output")
     cal = o.add_mutually_exclusive_group()
@@ -190,7 +201,9 @@ def _search_space(args: argparse.Namespace, table: dict[str, HardwareProfile],
         decode_kv_dtype=_opt_precision(args.decode_kv_dtype or kv),
         tp_degrees=tuple(int(t) for t in _names(args.tp)),
         max_instances=args.max_instances, prefill_instances=args.prefill_instances,
-        decode_instances=args.decode_instances, layerwise=not args.no_layerwise)
+        decode_instances=args.decode_instances, layerwise=not args.no_layerwise,
+        routing=Routing(not args.no_kv_routing, args.local_prefill_max_tokens, args.local_prefill_min_hit_tokens,
+                        args.local_prefill_stall_tokens))
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,8 +238,18 @@ def render_listing(table: dict[str, HardwareProfile], out: TextIO) -> None:
     print("KV tiers: " + ", ".join(KV_TIERS), file=out)
 
 
+def _routing(pred: Prediction) -> str:
+    r = pred.deployment.routing
+    if not r.kv_aware:
+        return "old path: every prompt prefilled on prefill, its whole KV moved"
+    return (f"KV-aware: {pred.local_prefill_share:.0%} of prompts prefilled on their decode instance "
+            f"(<= {r.local_prefill_max_tokens} uncached tokens; {pred.decode_prefill_utilization:.0%} of its time), "
+            "the rest send only the uncached KV")
+
+
 def render_report(result: PlanResult, model: ModelConfig, workload: Workload, slo: SLO, out: TextIO) -> None:
-    print(f"hetserve plan: {model.name} | {workload.qps:g} req/s, prompt {workload.prompt.describe()}, "
+    hit = f" ({workload.prefix_hit:.0%} cached)" if workload.prefix_hit > 0 else ""
+    print(f"hetserve plan: {model.name} | {workload.qps:g} req/s, prompt {workload.prompt.describe()}{hit}, "
           f"output {workload.output.describe()} tokens | SLO TTFT p{slo.percentile:g} <= {_ms(slo.ttft_s)}, "
           f"TPOT <= {_ms(slo.tpot_s)}", file=out)
     for note in result.notes:
@@ -246,6 +269,7 @@ def render_report(result: PlanResult, model: ModelConfig, workload: Workload, sl
         ("TTFT", f"mean {_ms(best.ttft_mean_s)}, p{best.percentile:g} {_ms(best.ttft_p_s)}  (prefill "
                  f"{_ms(best.prefill_s)}, queue {_ms(best.queue_wait_s)}, KV exposed {_ms(best.kv_exposed_s)})"),
         ("TPOT", f"{_ms(best.tpot_s)}  (decode batch {best.decode_batch:.1f})"),
+        *([("routing", _routing(best))] if workload.prefix_hit > 0 else []),
         ("throughput", f"{best.throughput_tok_s:,.0f} output tok/s (capacity {best.max_qps:.3g} req/s, "
                        f"prefill utilisation {best.prefill_utilization:.0%})"),
         ("cost", f"{_usd(best.cost_per_hour)}/h -> {_usd(best.cost_per_1m_output)} per 1M output tokens, "
@@ -326,7 +350,7 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
             if args.save_profile:
                 with open(args.save_profile, "w", encoding="utf-8") as f:
                     json.dump(fitted.to_dict(), f, indent=2)
-        workload = Workload(args.qps, _length(args, "prompt"), _length(args, "output"))
+        workload = Workload(args.qps, _length(args, "prompt"), _length(args, "output"), args.prefix_hit)
         slo = SLO(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.slo_percentile)
         space = _search_space(args, table, links, default_hw)
     except (OSError, ValueError, TypeError, json.JSONDecodeError, MeasureError) as e:

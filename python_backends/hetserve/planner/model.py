@@ -1,5 +1,6 @@
-"""Analytical cost model for prefill/decode-disaggregated serving: its inputs and :func:`predict`
-(search.py searches over it, calibration.py fits it to measurements).
+"""Analytical cost model for prefill/decode-disaggregated serving: its inputs and cost components
+(predict.py combines them into a :class:`Prediction`, search.py searches over it, calibration.py fits it
+to measurements).
 
 Per request (prompt ``P`` tokens, ``O`` output tokens) on a deployment of ``n_p`` prefill and ``n_d``
 decode instances:
@@ -20,6 +21,10 @@ decode instances:
   roof((weights + b * ctx * kv_bytes_per_token) / bw, b * FLOPs_per_token / compute)``; the batch ``b``
   follows from Little's law ``N = lambda_d * E[O] * step(1 + N)`` and TPOT = ``step(1 + N)`` (or is
   given, for a closed-loop benchmark of ``b`` concurrent streams).
+* **KV-aware routing** (a workload with ``prefix_hit`` > 0: multi-turn history held by the caches): the
+  prefill computes and sends only the uncached ``U = P - held`` tokens; a request whose ``U`` is short
+  enough is prefilled on its decode instance instead (no prefill queue, no KV moved), which takes that
+  share of the decode instance's time from its streams (predict.py, :class:`Routing`).
 * **Cost** = device-hours x price / tokens served.
 
 Everything is plain numpy; per-request quantities are evaluated on deterministic samples of the
@@ -35,16 +40,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from .profiles import (
-    KV_TIERS,
-    LINKS,
-    PRECISION_RANK,
-    HardwareProfile,
-    KVTier,
-    LinkProfile,
-    ModelConfig,
-    check_precision,
-)
+from .profiles import KV_TIERS, LINKS, HardwareProfile, KVTier, LinkProfile, ModelConfig, check_precision
 
 MEM_UTIL = 0.9  # fraction of device memory for weights + KV; the rest is activations/workspace
 MAX_BATCH = 512  # decode scheduler's batch ceiling per instance
@@ -96,10 +92,15 @@ class Workload:
     qps: float  # Poisson arrival rate, requests/s
     prompt: LengthDist
     output: LengthDist
+    # share of each prompt that earlier turns left in the caches (the prefill server's prefix cache, and the
+    # decode server the KV-aware router picks): a multi-turn conversation's history; 0: every prompt is new
+    prefix_hit: float = 0.0
 
     def __post_init__(self) -> None:
         if self.qps < 0:
             raise ValueError("qps must be >= 0")
+        if not 0.0 <= self.prefix_hit < 1.0:
+            raise ValueError("prefix_hit must be in [0, 1)")
 
     def samples(self) -> tuple[np.ndarray, np.ndarray]:
         return _samples(self.prompt, self.output)
@@ -176,12 +177,31 @@ def default_kv_dtype(precision: str, hardware: HardwareProfile) -> str:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """The orchestrator's KV-aware routing (stages/router.py; the server's defaults): ``kv_aware=False`` is
+    the old path (the whole prompt's KV moves, every prompt prefilled on a prefill instance)."""
+
+    kv_aware: bool = True
+    local_prefill_max_tokens: int = 512  # HETSERVE_LOCAL_PREFILL_MAX_TOKENS (0: never prefill on decode)
+    local_prefill_min_hit_tokens: int = 64  # HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS
+    local_prefill_stall_tokens: int = 256  # HETSERVE_LOCAL_PREFILL_STALL_TOKENS
+
+    def __post_init__(self) -> None:
+        if min(self.local_prefill_max_tokens, self.local_prefill_min_hit_tokens, self.local_prefill_stall_tokens) < 0:
+            raise ValueError("routing token bounds must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class Deployment:
     prefill: Phase
     decode: Phase
     link: LinkProfile
     kv_tier: KVTier = KV_TIERS["device"]
     layerwise: bool = True  # layer-wise KV streaming overlapped with prefill
+    routing: Routing = Routing()
 
     @property
     def ratio(self) -> str:
@@ -195,7 +215,7 @@ class Deployment:
     def to_dict(self) -> dict[str, Any]:
         return {"prefill": self.prefill.to_dict(), "decode": self.decode.to_dict(),
                 "ratio": self.ratio, "transport": self.link.name, "kv_tier": self.kv_tier.name,
-                "layerwise": self.layerwise}
+                "layerwise": self.layerwise, "routing": self.routing.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -424,6 +444,10 @@ def fewest_instances(latency: np.ndarray, target: float) -> np.ndarray:
     return np.where(np.isfinite(best), first, latency.shape[-1] - 1)
 
 
+def _finite(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
+
+
 def _percentile(x: np.ndarray, q: float) -> float:
     return float(x[0]) if x.size == 1 else float(np.percentile(x, q))
 
@@ -438,162 +462,7 @@ def quantile_points(x: np.ndarray, percentile: float) -> tuple[np.ndarray, np.nd
     return np.array([s[lo], s[hi]]), np.array([1.0 - (pos - lo), pos - lo])
 
 
-# --------------------------------------------------------------------------------------------
-# Prediction
-# --------------------------------------------------------------------------------------------
-
-def _finite(x: float) -> Optional[float]:
-    return x if math.isfinite(x) else None
-
-
-@dataclass(frozen=True)
-class Prediction:
-    deployment: Deployment
-    ttft_mean_s: float
-    ttft_p_s: float  # at ``percentile``
-    percentile: float
-    tpot_s: float
-    prefill_s: float  # mean prefill service time
-    queue_wait_s: float  # mean prefill queue wait
-    kv_transfer_s: float  # mean total KV transfer time
-    kv_exposed_s: float  # mean transfer (+ re-pack) time not hidden behind prefill
-    kv_bytes_per_request: float
-    prefill_utilization: float
-    decode_batch: float
-    throughput_tok_s: float  # output tokens/s actually served
-    max_qps: float
-    cost_per_hour: float
-    cost_per_1m_output: float
-    cost_per_1m_tokens: float  # prompt + output tokens
-    meets_slo: bool
-    slo_violation: float
-    warnings: tuple[PlanWarning, ...] = ()
-
-    @property
-    def errors(self) -> tuple[PlanWarning, ...]:
-        return tuple(w for w in self.warnings if w.severity == "error")
-
-    def rank_key(self) -> tuple:
-        d = self.deployment
-        return (not self.meets_slo, *_rank_violation(self.slo_violation), self.cost_per_1m_output,
-                any(w.code == "kv_transfer_not_hidden" for w in self.warnings),
-                kv_mismatch(d.prefill, d.decode), d.link.tier,
-                PRECISION_RANK[d.prefill.precision] + PRECISION_RANK[d.decode.precision],
-                _tier_rank(d.kv_tier),
-                self.ttft_p_s)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"deployment": self.deployment.to_dict()}
-        for f in dataclasses.fields(self):
-            if f.name in ("deployment", "warnings"):
-                continue
-            v = getattr(self, f.name)
-            out[f.name] = _finite(v) if isinstance(v, float) else v
-        out["warnings"] = [w.to_dict() for w in self.warnings]
-        return out
-
-
-def predict(model: ModelConfig, deployment: Deployment, workload: Workload,
-            slo: Optional[SLO] = None, decode_batch: Optional[float] = None) -> Prediction:
-    """Predict latency, throughput and cost of one deployment under ``workload``.
-
-    ``decode_batch`` fixes the decode batch per instance (a closed-loop benchmark with that many
-    concurrent streams) instead of the Little's-law operating point at ``workload.qps``; it is capped
-    by the KV capacity."""
-    d = deployment
-    pct = slo.percentile if slo else 90.0
-    prompt, output = workload.samples()
-    ctx = context_tokens(prompt, output)
-    out_mean = float(output.mean())
-    pc, dc = PhaseCost(model, d.prefill), PhaseCost(model, d.decode)
-    warns = pc.warnings("prefill") + dc.warnings("decode")
-
-    # Memory: the longest prompt on a prefill instance, the longest sequence on a decode instance.
-    p_hi, seq_hi = _percentile(prompt, 99), _percentile(prompt + output, 99)
-    if pc.weights_fit and pc.weight_bytes + p_hi * pc.kv_bytes_per_token > pc.memory_bytes:
-        warns.append(PlanWarning("kv_does_not_fit", (
-            f"prefill: KV of a {p_hi:.0f}-token prompt does not fit next to the weights on "
-            f"{d.prefill.tp} x {d.prefill.hardware.name}"), "error"))
-    kv_capacity = dc.kv_capacity_bytes(d.kv_tier)
-    if dc.weights_fit and seq_hi * dc.kv_bytes_per_token > kv_capacity:
-        warns.append(PlanWarning("kv_does_not_fit", (
-            f"decode: KV of one {seq_hi:.0f}-token sequence ({seq_hi * dc.kv_bytes_per_token / 1e9:.2f} GB) "
-            f"exceeds the {d.kv_tier.name} tier ({kv_capacity / 1e9:.2f} GB)"), "error"))
-
-    # Prefill, KV transfer, queueing -> TTFT.
-    service = pc.prefill_time(prompt)
-    transfer, exposed = (x[0] for x in kv_transfer(pc, dc, (d.link,), d.kv_tier, prompt, service, d.layerwise))
-    busy = prefill_occupancy(service, transfer)
-    rho, wait, wait_p = (float(x) for x in mg1_wait(workload.qps / d.prefill.instances,
-                                                     float(busy.mean()), float(np.mean(busy ** 2)), pct))
-    overhead = d.prefill.hardware.request_overhead_s
-    ttft_mean = overhead + wait + float(np.mean(service + exposed))
-    ttft_p = overhead + wait_p + _percentile(service + exposed, pct)
-
-    repack_ms = float(np.mean(repack_time(pc, dc, prompt))) * 1e3
-    for what, src, dst in (("dtype", d.prefill.kv_dtype, d.decode.kv_dtype),
-                           ("layout", d.prefill.layout, d.decode.layout)):
-        if src != dst:
-            warns.append(PlanWarning(f"kv_{what}_mismatch", (
-                f"prefill writes KV {what} {src}, decode expects {dst}: the decode side re-packs it "
-                f"(+{repack_ms:.2f} ms per request)")))
-    xfer_mean, service_mean = float(transfer.mean()), float(service.mean())
-    if (xfer_mean > service_mean) if d.layerwise else (xfer_mean > 0.05 * service_mean):
-        how = "layer-wise streaming cannot hide it" if d.layerwise else "layer-wise overlap is off"
-        warns.append(PlanWarning("kv_transfer_not_hidden", (
-            f"KV transfer over {d.link.name} takes {xfer_mean * 1e3:.2f} ms vs {service_mean * 1e3:.2f} ms "
-            f"prefill ({how}); {float(exposed.mean()) * 1e3:.2f} ms lands on TTFT")))
-
-    # Decode operating point -> TPOT.
-    step = dc.decode_step(d.kv_tier, ctx)
-    cap = dc.batch_cap(d.kv_tier, ctx)
-    batch, tpot = math.inf, math.inf
-    if cap >= 1 and decode_batch is not None:
-        if decode_batch < 1:
-            raise ValueError("decode_batch must be >= 1")
-        batch = float(min(decode_batch, cap))
-        tpot = float(step.time(batch))
-    elif cap >= 1:
-        batch, tpot = (float(x) for x in step.operating_point(workload.qps * out_mean / d.decode.instances, cap))
-
-    prefill_qps = d.prefill.instances / float(busy.mean())
-    decode_qps = d.decode.instances * step.max_token_rate(cap) / out_mean if cap >= 1 else 0.0
-    ingest_qps = d.decode.instances / xfer_mean  # KV arriving at the decode instances' links
-    max_qps = min(prefill_qps, decode_qps, ingest_qps)
-    if rho >= 1 or not math.isfinite(batch) or workload.qps >= ingest_qps:
-        memory_bound = cap < MAX_BATCH and decode_qps == max_qps
-        warns.append(PlanWarning("kv_does_not_fit" if memory_bound else "overloaded", (
-            f"offered {workload.qps:g} req/s exceeds capacity {max_qps:.3g} req/s (prefill "
-            f"{prefill_qps:.3g}, decode {decode_qps:.3g}, KV ingest over {d.link.name} {ingest_qps:.3g}"
-            + (f"; decode KV holds only {cap:.0f} sequences per instance" if memory_bound else "") + ")"),
-            "error"))
-
-    served_qps = min(workload.qps, max_qps)
-    tokens_per_hour = served_qps * 3600
-    cost = d.cost_per_hour
-    cost_out = cost / (tokens_per_hour * out_mean) * 1e6 if tokens_per_hour > 0 else math.inf
-    cost_all = cost / (tokens_per_hour * (out_mean + float(prompt.mean()))) * 1e6 if tokens_per_hour > 0 else math.inf
-
-    errors = any(w.severity == "error" for w in warns)
-    if slo:
-        v = max(violation(ttft_p, slo.ttft_s), violation(tpot, slo.tpot_s))
-        for code, name, value, target in (("slo_ttft", f"TTFT p{pct:g}", ttft_p, slo.ttft_s),
-                                          ("slo_tpot", "TPOT", tpot, slo.tpot_s)):
-            if math.isfinite(value) and value > target:
-                warns.append(PlanWarning(code, f"{name} {value * 1e3:.1f} ms exceeds the SLO {target * 1e3:.1f} ms"))
-    else:
-        v = 0.0
-    v = math.inf if errors else v
-    return Prediction(
-        deployment=d, ttft_mean_s=ttft_mean, ttft_p_s=ttft_p, percentile=pct, tpot_s=tpot,
-        prefill_s=service_mean, queue_wait_s=wait, kv_transfer_s=xfer_mean,
-        kv_exposed_s=float(exposed.mean()), kv_bytes_per_request=float(prompt.mean()) * pc.kv_bytes_per_token,
-        prefill_utilization=rho, decode_batch=batch, throughput_tok_s=served_qps * out_mean, max_qps=max_qps,
-        cost_per_hour=cost, cost_per_1m_output=cost_out, cost_per_1m_tokens=cost_all,
-        meets_slo=v == 0.0, slo_violation=v, warnings=tuple(warns))
-
-
 __all__ = [
-    "LengthDist", "Workload", "SLO", "Phase", "Deployment", "PlanWarning", "StepCost", "PhaseCost",
-    "Prediction", "predict", "kv_transfer", "mg1_wait", "default_kv_dtype", "context_tokens", "roofline",
+    "LengthDist", "Workload", "SLO", "Phase", "Routing", "Deployment", "PlanWarning", "StepCost", "PhaseCost",
+    "kv_transfer", "mg1_wait", "default_kv_dtype", "context_tokens", "roofline",
 ]

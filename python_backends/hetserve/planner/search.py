@@ -1,5 +1,5 @@
 """The design-space search: every prefill x decode hardware, precision, TP degree and KV tier in a
-:class:`SearchSpace`, sized to the fewest instances that meet the SLO (model.predict prices each)."""
+:class:`SearchSpace`, sized to the fewest instances that meet the SLO (predict.predict prices each)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,7 @@ from .model import (
     Phase,
     PhaseCost,
     PlanWarning,
-    Prediction,
+    Routing,
     Workload,
     _percentile,
     _rank_violation,
@@ -26,11 +26,11 @@ from .model import (
     kv_mismatch,
     kv_transfer,
     mg1_wait,
-    predict,
     prefill_occupancy,
     quantile_points,
     violation,
 )
+from .predict import Prediction, predict
 from .profiles import (
     DTYPE_BYTES,
     KV_TIERS,
@@ -61,6 +61,7 @@ class SearchSpace:
     prefill_instances: Optional[int] = None
     decode_instances: Optional[int] = None
     layerwise: bool = True
+    routing: Routing = Routing()  # the orchestrator's KV-aware routing (matters when workload.prefix_hit > 0)
 
     def phases(self, model: ModelConfig, role: str) -> Iterator[Phase]:
         prefill = role == "prefill"
@@ -183,7 +184,7 @@ def plan(model: ModelConfig, workload: Workload, slo: SLO, space: SearchSpace, t
     finalists: dict[tuple, Deployment] = {}
     for _, phase, instances, choice, link in scored:
         dep = Deployment(dataclasses.replace(phase, instances=instances), choice.phase, link, choice.tier,
-                         space.layerwise)
+                         space.layerwise, space.routing)
         finalists.setdefault(_signature(dep), dep)
         if len(finalists) >= 2 * top_k + 2:
             break
