@@ -145,12 +145,27 @@ def _pool_gauge(port: int):
     return total(s, "hetserve_decode_servers", state="healthy"), total(s, "hetserve_decode_servers", state="down")
 
 
-def _generate(url: str, prompt: str):
+def _generate(url: str, prompt: str, max_tokens: int = 6):
+    """Greedy tokens for a raw prompt (no chat template: these short prompts share no whole KV block, so the
+    KV-aware router spreads them by load alone)."""
     from hetserve.client import stream
 
-    toks = [t for c in stream(url, prompt, model="llm", max_tokens=6) for t in c.token_ids]
+    toks = [t for c in stream(url, prompt, model="llm", max_tokens=max_tokens, apply_chat_template=False)
+            for t in c.token_ids]
     assert toks, "no tokens"
     return toks
+
+
+def _local_prefills(url: str) -> int:
+    from hetserve.cluster import decode_op
+
+    return int(decode_op(url, "stats")["counters"]["local_prefill"])
+
+
+HISTORY = ("Kubernetes runs containers in pods. A Deployment keeps a number of identical pods running and replaces "
+           "the ones that fail. A Service gives the pods one stable name; a headless Service instead returns every "
+           "pod's address in DNS, which is how the orchestrator finds each decode server. When a pod leaves, its "
+           "address leaves the DNS answer, and the pool drops it on its next health round. ")
 
 
 def test_dns_discovery_end_to_end(engine_dir, tmp_path, monkeypatch):
@@ -176,9 +191,9 @@ def test_dns_discovery_end_to_end(engine_dir, tmp_path, monkeypatch):
              "HETSERVE_HEALTH_INTERVAL_S": "1", "HETSERVE_KV_TRANSPORT": "grpc", "HETSERVE_BREAKER_P99_MS": "60000",
              # a busy CI box must not fail canaries (a member marked down would skew the routing counts below)
              "HETSERVE_HEALTH_TIMEOUT_S": "20",
-             # load-only routing: this test counts how the pool spreads requests over DNS members; the KV-aware
-             # router would send these one-at-a-time prompts (same chat template) to the member holding its blocks
-             "HETSERVE_KV_ROUTING": "0"}))
+             # the router reads the members' published blocks every second (the follow-up below may come sooner:
+             # it also counts what it routed itself)
+             "HETSERVE_ROUTER_REFRESH_S": "1"}))
     procs = list(decodes.values()) + [prefill]
     try:
         for p in decodes.values():
@@ -202,17 +217,34 @@ def test_dns_discovery_end_to_end(engine_dir, tmp_path, monkeypatch):
         served = {a: after[a] - before[a] for a in urls}
         assert sum(served.values()) == 4 and all(n >= 1 for n in served.values()), served
 
-        _write_hosts(hosts, ["127.0.0.2"])  # the .3 pod leaves the Service
+        # KV-aware routing over DNS members: a conversation's follow-up goes back to the member holding its
+        # history and is prefilled there; when that pod leaves the Service, it is prefilled and decoded elsewhere
+        before = {a: (_finished(u), _local_prefills(u)) for a, u in urls.items()}
+        _generate(grpc, HISTORY + "Question: what does a headless Service return?", max_tokens=4)
+        holder = next(a for a, u in urls.items() if _finished(u) > before[a][0])
+        other = next(a for a in urls if a != holder)
+        follow_up = HISTORY + "Question: what happens when a pod leaves?"
+        on_holder = _generate(grpc, follow_up, max_tokens=8)
+        assert _finished(urls[holder]) == before[holder][0] + 2 and _finished(urls[other]) == before[other][0]
+        assert _local_prefills(urls[holder]) == before[holder][1] + 1, "the follow-up was not prefilled on its holder"
+        placement = scrape(BASE_PORT + 2)
+        assert total(placement, "hetserve_prefill_placement_total", where="decode") >= 1
+
+        _write_hosts(hosts, [other])  # the holder's pod leaves the Service
         wait_for(lambda: _pool_gauge(BASE_PORT + 2) == (1, 0), 60, "the pool to drop the member DNS no longer lists")
         before = {a: _finished(u) for a, u in urls.items()}
+        local_before = _local_prefills(urls[other])
+        assert _generate(grpc, follow_up, max_tokens=8) == on_holder, "greedy tokens differ across the two paths"
+        assert _local_prefills(urls[other]) == local_before  # it held nothing: prefilled on the prefill server
         for i in range(2):
             _generate(grpc, f"Name {i + 2} colours.")
-        assert _finished(urls["127.0.0.2"]) - before["127.0.0.2"] == 2
-        assert _finished(urls["127.0.0.3"]) == before["127.0.0.3"]
+        assert _finished(urls[other]) - before[other] == 3
+        assert _finished(urls[holder]) == before[holder]
 
         _write_hosts(hosts, ["127.0.0.2", "127.0.0.3"])  # and comes back
         wait_for(lambda: _pool_gauge(BASE_PORT + 2) == (2, 0), 60, "the pool to re-add the member")
-        print(f"\nDNS e2e: 4 requests over 2 DNS members {served}; member removed and re-added by rewriting hosts")
+        print(f"\nDNS e2e: 4 requests over 2 DNS members {served}; a follow-up prefilled on its holder {holder}, then "
+              "on the prefill server and decoded on the other once the holder left DNS; member re-added")
     finally:
         for p in procs:
             p.stop()
