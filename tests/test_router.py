@@ -79,6 +79,11 @@ def test_local_prefill_is_refused_when_it_would_stall_a_busy_decode_server_unles
     assert _route(r, "a", conv, streams=2, queued=1200).local is True  # it would wait behind 1,200 tokens there
     follow_up = conv[:400] + list(range(40))  # a short follow-up stays local on a busy server
     assert _route(r, "a", follow_up, streams=6).local is True
+    # a new prompt that shares only a held system prompt (120 of 300 tokens) is no follow-up: the prefill side
+    system = list(range(900, 1020))
+    r.routed("a", system)
+    assert _route(r, "a", system + list(range(180))).local is False
+    assert _route(r, "a", system + list(range(100))).local is True  # 120 of 220 held: over half
     off = PrefixRouter(BT, "s", RouterConfig(local_prefill_stall_tokens=0))
     off.routed("a", conv[:400])
     assert _route(off, "a", conv, streams=1).local is False and _route(off, "a", conv, streams=0).local is True

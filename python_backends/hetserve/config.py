@@ -123,6 +123,8 @@ _VARS: List[Var] = [
     Var("HETSERVE_LOCAL_PREFILL_MAX_TOKENS", int, 512, "prefill on the decode server when it lacks at most this many "
         "prompt tokens (0: never)", min=0),
     Var("HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS", int, 64, "... and holds at least this many of them", min=0),
+    Var("HETSERVE_LOCAL_PREFILL_MIN_HIT_SHARE", float, 0.5, "... and at least this share of the prompt", min=0,
+        max=1),
     Var("HETSERVE_LOCAL_PREFILL_STALL_TOKENS", int, 256, "... and uncached x its streams <= max(this, prompt tokens "
         "queued at prefill)", min=0),
     # 0, not 10: measured back to back (multiturn.py, routing on), nice 10 cut TPOT p50 181 -> 162 ms but raised

@@ -91,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           ("stall", Routing.local_prefill_stall_tokens)):
         r.add_argument(f"--local-prefill-{name}-tokens", type=int, default=default,
                        help=f"HETSERVE_LOCAL_PREFILL_{name.upper().replace('-', '_')}_TOKENS (default %(default)s)")
+    r.add_argument("--local-prefill-min-hit-share", type=float, default=Routing.local_prefill_min_hit_share,
+                   help="HETSERVE_LOCAL_PREFILL_MIN_HIT_SHARE (default %(default)s)")
 
     o = parser.add_argument_group("calibration and output")
     cal = o.add_mutually_exclusive_group()
@@ -203,7 +205,7 @@ def _search_space(args: argparse.Namespace, table: dict[str, HardwareProfile],
         max_instances=args.max_instances, prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances, layerwise=not args.no_layerwise,
         routing=Routing(not args.no_kv_routing, args.local_prefill_max_tokens, args.local_prefill_min_hit_tokens,
-                        args.local_prefill_stall_tokens))
+                        args.local_prefill_min_hit_share, args.local_prefill_stall_tokens))
 
 
 # --------------------------------------------------------------------------------------------

@@ -184,11 +184,14 @@ class Routing:
     kv_aware: bool = True
     local_prefill_max_tokens: int = 512  # HETSERVE_LOCAL_PREFILL_MAX_TOKENS (0: never prefill on decode)
     local_prefill_min_hit_tokens: int = 64  # HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS
+    local_prefill_min_hit_share: float = 0.5  # HETSERVE_LOCAL_PREFILL_MIN_HIT_SHARE
     local_prefill_stall_tokens: int = 256  # HETSERVE_LOCAL_PREFILL_STALL_TOKENS
 
     def __post_init__(self) -> None:
         if min(self.local_prefill_max_tokens, self.local_prefill_min_hit_tokens, self.local_prefill_stall_tokens) < 0:
             raise ValueError("routing token bounds must be >= 0")
+        if not 0.0 <= self.local_prefill_min_hit_share <= 1.0:
+            raise ValueError("local_prefill_min_hit_share must be in [0, 1]")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -4,12 +4,12 @@ under a workload, including KV-aware routing (model.Routing):
 * each prompt of ``P`` tokens has ``held = floor(prefix_hit * P)`` in the caches and ``U = P - held`` uncached;
   with KV-aware routing the prefill computes ``U`` tokens (its own prefix cache holds the history too) and sends
   the KV of ``U`` (the decode server holds the rest); the old path sends all ``P``;
-* **conditional disaggregation** as the router decides it: a prompt with ``U <= local_prefill_max_tokens`` and
-  ``held >= local_prefill_min_hit_tokens`` is prefilled on its decode instance when ``U x streams there <=
-  max(local_prefill_stall_tokens, prompt tokens queued at the prefill instances)``; ``streams`` is the decode
-  batch less itself and the queue follows from Little's law on the prefill side (one refinement: the split is
-  decided on the operating point with only the non-candidates at the prefill side, then everything is priced
-  with the split);
+* **conditional disaggregation** as the router decides it: a prompt with ``U <= local_prefill_max_tokens``
+  and ``held >= max(local_prefill_min_hit_tokens, local_prefill_min_hit_share x P)`` is prefilled on its
+  decode instance when ``U x streams there <= max(local_prefill_stall_tokens, prompt tokens queued at the
+  prefill instances)``; ``streams`` is the decode batch less itself and the queue follows from Little's law
+  on the prefill side (one refinement: the split is decided on the operating point with only the
+  non-candidates at the prefill side, then everything is priced with the split);
 * a local prefill skips the prefill queue and the transfer (TTFT = its prefill time on the decode hardware) and
   takes ``rho_local = local prefills/s x their mean time`` of its decode instance, during which that
   instance's streams wait: TPOT = step / (1 - rho_local) at the batch where ``N = rate x TPOT``.
@@ -102,7 +102,7 @@ def _split(work: Workload, d: Deployment, prompt: np.ndarray) -> tuple[np.ndarra
     if not r.kv_aware:
         return uncached, prompt, np.zeros(prompt.shape, dtype=bool)
     candidate = ((uncached <= r.local_prefill_max_tokens) & (held >= r.local_prefill_min_hit_tokens)
-                 & (held > 0))
+                 & (held >= r.local_prefill_min_hit_share * prompt) & (held > 0))
     return uncached, uncached, candidate
 
 

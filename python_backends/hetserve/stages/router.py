@@ -10,7 +10,8 @@ Choice: cost(server) = uncached prompt tokens + HETSERVE_ROUTER_LOAD_TOKENS x it
 cost wins (ties: the pool's round robin). Then conditional disaggregation: the prompt is prefilled on that server
 (its cache + the suffix it lacks, no KV moves) when
   - it lacks at most HETSERVE_LOCAL_PREFILL_MAX_TOKENS of the prompt and holds at least
-    HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS of it (a history worth reusing, a suffix worth no hop), and
+    HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS and HETSERVE_LOCAL_PREFILL_MIN_HIT_SHARE of it (a conversation's
+    history worth reusing, a suffix worth no hop; a new prompt that shares only a system prompt is not that), and
   - the stall this prefill puts on the streams it is decoding, uncached tokens x streams in flight there, is at
     most HETSERVE_LOCAL_PREFILL_STALL_TOKENS or at most the prompt tokens already queued at the prefill servers
     (what this request would wait behind there): a busy decode server keeps its TPOT unless the prefill side is
@@ -44,6 +45,7 @@ class RouterConfig:
     load_tokens: int = 256                # one more stream in flight weighs as much as this many uncached tokens
     local_prefill_max_tokens: int = 512   # prefill on the decode server when at most this much is uncached ...
     local_prefill_min_hit_tokens: int = 64  # ... and it holds at least this much of the prompt (0: always)
+    local_prefill_min_hit_share: float = 0.5  # ... and at least this share of it
     local_prefill_stall_tokens: int = 256  # ... and uncached x its streams <= max(this, tokens queued at prefill)
     max_blocks_per_server: int = 65536    # bound of each server's index (16 bytes a block)
     recent_s: float = 30.0                # routed blocks kept over a refresh that does not list them yet
@@ -55,6 +57,7 @@ class RouterConfig:
         return cls(load_tokens=int(config.get("HETSERVE_ROUTER_LOAD_TOKENS")),
                    local_prefill_max_tokens=int(config.get("HETSERVE_LOCAL_PREFILL_MAX_TOKENS")),
                    local_prefill_min_hit_tokens=int(config.get("HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS")),
+                   local_prefill_min_hit_share=float(config.get("HETSERVE_LOCAL_PREFILL_MIN_HIT_SHARE")),
                    local_prefill_stall_tokens=int(config.get("HETSERVE_LOCAL_PREFILL_STALL_TOKENS")))
 
 
@@ -107,6 +110,7 @@ class PrefixRouter:
         uncached = costing.prompt_len - hit
         c = self.config
         local = (uncached <= c.local_prefill_max_tokens and hit >= c.local_prefill_min_hit_tokens
+                 and hit >= c.local_prefill_min_hit_share * costing.prompt_len
                  and uncached * streams <= max(c.local_prefill_stall_tokens, prefill_queued_tokens))
         return Route(hit, local, hit // self.block * self.block)
 
