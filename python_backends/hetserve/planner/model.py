@@ -40,6 +40,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from ..stages.router import RouterConfig
 from .profiles import KV_TIERS, LINKS, HardwareProfile, KVTier, LinkProfile, ModelConfig, check_precision
 
 MEM_UTIL = 0.9  # fraction of device memory for weights + KV; the rest is activations/workspace
@@ -182,10 +183,11 @@ class Routing:
     the old path (the whole prompt's KV moves, every prompt prefilled on a prefill instance)."""
 
     kv_aware: bool = True
-    local_prefill_max_tokens: int = 512  # HETSERVE_LOCAL_PREFILL_MAX_TOKENS (0: never prefill on decode)
-    local_prefill_min_hit_tokens: int = 64  # HETSERVE_LOCAL_PREFILL_MIN_HIT_TOKENS
-    local_prefill_min_hit_share: float = 0.5  # HETSERVE_LOCAL_PREFILL_MIN_HIT_SHARE
-    local_prefill_stall_tokens: int = 256  # HETSERVE_LOCAL_PREFILL_STALL_TOKENS
+    # HETSERVE_LOCAL_PREFILL_*: the router's own defaults (0 max tokens: never prefill on decode)
+    local_prefill_max_tokens: int = RouterConfig.local_prefill_max_tokens
+    local_prefill_min_hit_tokens: int = RouterConfig.local_prefill_min_hit_tokens
+    local_prefill_min_hit_share: float = RouterConfig.local_prefill_min_hit_share
+    local_prefill_stall_tokens: int = RouterConfig.local_prefill_stall_tokens
 
     def __post_init__(self) -> None:
         if min(self.local_prefill_max_tokens, self.local_prefill_min_hit_tokens, self.local_prefill_stall_tokens) < 0:

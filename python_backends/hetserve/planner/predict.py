@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..stages.router import local_prefill_eligible, local_prefill_stall_ok
 from .model import (
     MAX_BATCH,
     SLO,
@@ -101,8 +102,7 @@ def _split(work: Workload, d: Deployment, prompt: np.ndarray) -> tuple[np.ndarra
     r = d.routing
     if not r.kv_aware:
         return uncached, prompt, np.zeros(prompt.shape, dtype=bool)
-    candidate = ((uncached <= r.local_prefill_max_tokens) & (held >= r.local_prefill_min_hit_tokens)
-                 & (held >= r.local_prefill_min_hit_share * prompt) & (held > 0))
+    candidate = local_prefill_eligible(r, uncached, held, prompt) & (held > 0)
     return uncached, uncached, candidate
 
 
@@ -180,8 +180,7 @@ def predict(model: ModelConfig, deployment: Deployment, workload: Workload,
     if candidate.any():  # the router's stall rule at the operating point with only the others at prefill
         first = _sides(pc, dc, d, workload, prompt, uncached, sent, np.zeros_like(candidate), pct)
         streams = _decode_point(step, cap, rate, 0.0, decode_batch)[0] - 1.0
-        budget = max(d.routing.local_prefill_stall_tokens, first["queued"])
-        local = candidate & (uncached * streams <= budget)
+        local = candidate & local_prefill_stall_ok(d.routing, uncached, streams, first["queued"])
     sides = _sides(pc, dc, d, workload, prompt, uncached, sent, local, pct)
     service, transfer, exposed, busy = sides["service"], sides["transfer"], sides["exposed"], sides["busy"]
     rho, wait, wait_p, rho_local = sides["rho"], sides["wait"], sides["wait_p"], sides["rho_local"]

@@ -61,6 +61,18 @@ class RouterConfig:
                    local_prefill_stall_tokens=int(config.get("HETSERVE_LOCAL_PREFILL_STALL_TOKENS")))
 
 
+def local_prefill_eligible(c, uncached, hit, prompt_len):
+    """The size half of the local-prefill rule: a short uncached suffix of a prompt mostly held. `c` has the
+    RouterConfig fields (the planner's model.Routing too); scalars or numpy arrays (elementwise)."""
+    return ((uncached <= c.local_prefill_max_tokens) & (hit >= c.local_prefill_min_hit_tokens)
+            & (hit >= c.local_prefill_min_hit_share * prompt_len))
+
+
+def local_prefill_stall_ok(c, uncached, streams, prefill_queued_tokens):
+    """The load half: the stall on the server's streams within the bound or the prefill side's backlog."""
+    return uncached * streams <= max(c.local_prefill_stall_tokens, prefill_queued_tokens)
+
+
 @dataclass
 class Route:
     """The router's verdict for one request on the server picked with its cost()."""
@@ -109,9 +121,8 @@ class PrefixRouter:
         hit = min(held, max(costing.prompt_len - 1, 0))
         uncached = costing.prompt_len - hit
         c = self.config
-        local = (uncached <= c.local_prefill_max_tokens and hit >= c.local_prefill_min_hit_tokens
-                 and hit >= c.local_prefill_min_hit_share * costing.prompt_len
-                 and uncached * streams <= max(c.local_prefill_stall_tokens, prefill_queued_tokens))
+        local = bool(local_prefill_eligible(c, uncached, hit, costing.prompt_len)
+                     & local_prefill_stall_ok(c, uncached, streams, prefill_queued_tokens))
         return Route(hit, local, hit // self.block * self.block)
 
     def routed(self, url: str, ids: Sequence[int]) -> None:
