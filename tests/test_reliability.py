@@ -798,10 +798,15 @@ def _state_settled(metrics_url: str):
 
 
 @pytest.mark.skipif(not (shutil.which("nginx") or os.path.exists("/usr/sbin/nginx")), reason="nginx not installed")
-def test_prefill_servers_behind_real_nginx_survive_a_prefill_kill(engine_dir, prompt_ids, reference_tokens):
+def test_prefill_servers_behind_real_nginx_survive_a_prefill_kill(engine_dir, prompt_ids, reference_tokens,
+                                                                   tokenizer):
     """Two prefill servers behind nginx (least_conn, retry on connect errors) sharing one decode server: both
-    serve, and after kill -9 of one, every new request still succeeds through the balancer."""
+    serve; a conversation's next turn sent at once to the other replica is prefilled on the decode server that
+    holds its history (that replica's router asks it: issue 29); after kill -9 of one replica, every new request
+    still succeeds through the balancer."""
     import socket
+
+    from hetserve.client import generate
 
     def free():
         with socket.socket() as s:
@@ -809,7 +814,10 @@ def test_prefill_servers_behind_real_nginx_survive_a_prefill_kill(engine_dir, pr
             return s.getsockname()[1]
 
     base = int(os.environ.get("HETSERVE_LB_BASE_PORT", "24000"))
-    with LocalCluster(engine_dir, base_port=base, n_decode=1, n_prefill=2, env=RELI_ENV) as c:
+    # the routers read the decode server's block list once an hour here: the follow-up below can only find its
+    # history by the lookup on a miss
+    with LocalCluster(engine_dir, base_port=base, n_decode=1, n_prefill=2,
+                      env={**RELI_ENV, "HETSERVE_ROUTER_REFRESH_S": "3600"}) as c:
         lb = c.start_lb(free(), free())
         url = f"127.0.0.1:{lb.grpc_port}"
         ps = PROMPTS[:4]
@@ -820,6 +828,32 @@ def test_prefill_servers_behind_real_nginx_survive_a_prefill_kill(engine_dir, pr
         served = [_metric(f"127.0.0.1:{base + 10 * j + 2}", "nv_inference_request_success", model="llm")
                   for j in range(2)]
         assert all(n >= 1 for n in served), f"least_conn did not spread the load: {served}"
+        system = ("You answer questions about rivers, harbours and old trade routes. Keep every answer short, cite "
+                  "the section, and say so when the documents do not cover it. ") * 3
+        turn1 = tokenizer.encode(tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                                                {"role": "user", "content": "Where was it?"}]))
+        g1 = generate(f"127.0.0.1:{base + 1}", None, model="llm", input_ids=turn1, max_tokens=8, ignore_eos=True,
+                      timeout_s=60)
+        turn2 = turn1 + g1.token_ids + tokenizer.encode(
+            "<|im_end|>\n<|im_start|>user\nAnd the bridge?<|im_end|>\n<|im_start|>assistant\n")
+        other = f"127.0.0.1:{base + 12}"
+
+        def seen():
+            m = scrape(other)
+            return (total(m, "hetserve_prefill_requests_total"), total(m, "hetserve_router_lookups_total",
+                                                                        result="found"),
+                    total(m, "hetserve_prefill_placement_total", where="decode"))
+        before = seen()
+        g2 = generate(f"127.0.0.1:{base + 11}", None, model="llm", input_ids=turn2, max_tokens=8, ignore_eos=True,
+                      timeout_s=60)
+        def placed():
+            now = seen()
+            return now if now[2] > before[2] else None
+        after = wait_for(placed, 10, "the follow-up counted as prefilled on the decode server")
+        assert after[0] == before[0] and after[1] == before[1] + 1, (before, after)
+        ref = generate(f"127.0.0.1:{base + 11}", None, model="aggregated", input_ids=turn2, max_tokens=8,
+                       ignore_eos=True, timeout_s=60)
+        assert g2.token_ids == ref.token_ids, "the follow-up prefilled from the decode cache changed greedy tokens"
         # kill -9 one prefill server under load, mid-stream: every request ends, either with the reference tokens
         # (it lived on the other server) or with a clear UNAVAILABLE (the orchestrator of that stream lived on the
         # dead server); none hangs, none ends silently short

@@ -67,6 +67,26 @@ def test_route_prefills_on_the_decode_server_only_for_a_short_uncached_suffix_of
     assert r.route("a", r.cost(r.hashes(conv), 400)).hit_tokens == 320
 
 
+def test_a_miss_is_worth_a_lookup_only_when_no_known_holder_makes_the_prompt_local_and_learn_records_it():
+    """should_look_up: a prompt longer than the hit floor that no server is known to hold enough of; learn():
+    what a server says it holds counts like a routed sequence, and the block it says it lacks is dropped."""
+    r = PrefixRouter(BT, "s", RouterConfig(local_prefill_max_tokens=96, local_prefill_min_hit_tokens=64))
+    conv = list(range(400))
+
+    def miss(ids):
+        return r.should_look_up(r.cost(r.hashes(ids), len(ids)))
+    assert miss(conv) and not miss(conv[:64])  # 64 tokens can never hold >= 64 and leave one to compute
+    r.routed("a", conv[:320])
+    assert not miss(conv) and miss(conv + list(range(100)))  # known holder enough / 180 uncached: ask
+    hs = r.hashes(conv)
+    r.learn("b", hs, 45)  # b says it holds 360 tokens of it
+    assert r.hit_tokens("b", hs) == 360 and not miss(conv)
+    r.learn("a", hs, 10)  # a lost blocks 10.. (evicted): its view stops at 80
+    assert r.hit_tokens("a", hs) == 80
+    assert not PrefixRouter(BT, "s", RouterConfig(local_prefill_max_tokens=0)).should_look_up(
+        r.cost(hs, len(conv)))  # no local prefill at all: nothing a lookup could change
+
+
 def test_local_prefill_is_refused_when_it_would_stall_a_busy_decode_server_unless_prefill_is_backed_up():
     r = PrefixRouter(BT, "s", RouterConfig(local_prefill_max_tokens=512, local_prefill_min_hit_tokens=64,
                                            local_prefill_stall_tokens=256))
@@ -244,6 +264,44 @@ def test_busy_holder_prefills_locally_only_while_the_prefill_side_is_backed_up()
     assert orch._prefill_queued == 0
 
 
+def test_a_turn_another_replica_routed_is_found_by_asking_the_decode_servers():
+    """Two prefill replicas, each its own orchestrator and router (as behind a load balancer). Replica 1 routes
+    turn 1 to b; turn 2 reaches replica 2 at once (its view has not been refreshed): without a lookup it goes to
+    the prefill server; with one (a FAKE lookup answering what b's prefix cache holds, as decode op=prefix does)
+    it goes to b and is prefilled there, counted as found. A lookup nobody answers changes nothing."""
+    from hetserve.stages.router import ROUTER_LOOKUP_METRIC
+
+    history = list(range(100, 180))
+    chunks = [([TokenChunk([11, 12]), TokenChunk([13], "length")], None)]
+    pool = CostPool(["a", "b"])
+    pool.leases["a"] = 1
+    dec = FakeDecodeClient({"a": chunks, "b": chunks * 3})
+    one, _, r1 = _routed_orch(dec, pool)
+    one.run(GenerateRequest(history, SamplingParams(max_tokens=4), "fp32"), FakeSink())
+    pool.leases["a"] = 0
+    turn2 = history + [10, 11, 12, 13] + [5, 6, 7]
+    held = r1.hit_tokens("b", r1.hashes(turn2))  # what b's cache holds of it (80 tokens: the router's own count)
+    asked = []
+
+    def lookup(prompt):  # FAKE: the decode servers' answers to op=prefix
+        asked.append(list(prompt))
+        return {"a": 0, "b": held}
+
+    pre2 = FakePrefill()
+    two, m2, r2 = _routed_orch(dec, pool, pre2)
+    two.lookup = lambda prompt: {}  # nobody answered in time
+    two.run(GenerateRequest(turn2, SamplingParams(max_tokens=3), "fp32"), FakeSink())
+    assert len(pre2.jobs) == 1 and m2.get(ROUTER_LOOKUP_METRIC, result="none") == 1
+    three, m3, r3 = _routed_orch(dec, pool, pre2)
+    three.lookup = lookup
+    three.run(GenerateRequest(turn2, SamplingParams(max_tokens=3), "fp32"), FakeSink())
+    assert asked == [turn2] and len(pre2.jobs) == 1, "the follow-up must be prefilled on its holder"
+    assert dec.opened[-1][0] == "b" and dec.opened[-1][1].started.kv_sent is False
+    assert m3.get(ROUTER_LOOKUP_METRIC, result="found") == 1 and m3.get(PREFILL_PLACEMENT_METRIC, where="decode") == 1
+    three.run(GenerateRequest(turn2, SamplingParams(max_tokens=3), "fp32"), FakeSink())
+    assert len(asked) == 1, "a prompt the view already places locally is not looked up again"
+
+
 def test_n_choices_and_prompt_logprobs_always_use_the_prefill_server():
     history = list(range(100, 180))
     pool = CostPool(["a"])
@@ -333,6 +391,12 @@ def test_decode_publishes_its_blocks(routed_stage):
     assert kind == "json" and obj["block_tokens"] == BT
     r = PrefixRouter(BT, COMPAT)
     assert set(obj["blocks"]) == {h.hex() for h in r.hashes(list(range(16)))}  # the router's own hashes
+    reply = FakeReply()  # with the prompt: how many of its leading tokens it holds (token-compared chain)
+    routed_stage.handle(DecodeCall("prefix", prompt=list(range(20))), reply)
+    assert reply.sent[0] == ("json", {"block_tokens": BT, "held_tokens": 16})
+    reply = FakeReply()
+    routed_stage.handle(DecodeCall("prefix", prompt=[5] + list(range(1, 20))), reply)
+    assert reply.sent[0][1]["held_tokens"] == 0
 
 
 # ---- the scheduler keeps an ended sequence's KV (real engine, real scheduler) -----------------------------------

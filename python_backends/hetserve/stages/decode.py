@@ -12,7 +12,8 @@ op=generate : join the running batch; stream token ids. The KV normally arrives 
 op=ingest   : store a transferred KV under request_id (verified here unless kv_ingest proves it verified it).
 op=release  : the orchestrator will not decode this request: drop its pending KV.
 op=canary   : health check, one real engine step (the orchestrator's pool).  op=stats: counters (autoscaler).
-op=prefix   : the prefix cache's block hashes, most recent first (what the orchestrator's router reads).
+op=prefix   : the prefix cache's block hashes, most recent first (what the orchestrator's router reads); with
+              input_ids, only how many leading tokens of them it holds (the router's lookup on a miss).
 `hetserve doctor`'s info and verify are not ops of the model: admin_ops() hands them to the admin side channel
 (admin_channel.py), so the data-plane schema carries no operator arguments.
 """
@@ -303,6 +304,11 @@ class DecodeStage:
 
     def _op_prefix(self, call: DecodeCall, reply: Reply) -> None:
         p = self.prefix
+        if call.prompt:  # held tokens compared by token, not only by hash (cached_blocks checks the chain)
+            schema.check_prompt(call.prompt, self.cfg, 0)
+            reply.json({"block_tokens": p.block if p is not None else 0,
+                        "held_tokens": p.cached_blocks(call.prompt) * p.block if p is not None else 0})
+            return
         reply.json({"block_tokens": p.block if p is not None else 0,
                     "blocks": [h.hex() for h in p.held(MAX_PUBLISHED_BLOCKS)] if p is not None else []})
 

@@ -2,10 +2,11 @@
 no Triton Python-backend import)."""
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 from .. import errors
 from ..sampling import TokenLogprobs
@@ -216,6 +217,46 @@ class GrpcDecodeClient:
 
     def close(self) -> None:
         self.hub.close()
+
+    def held_tokens(self, urls: Sequence[str], prompt: Sequence[int], timeout_s: float) -> Dict[str, int]:
+        """How many leading tokens of `prompt` each of `urls` holds in its prefix cache (decode op=prefix), all
+        asked at once on the hub's channels; a server that does not answer within timeout_s is left out."""
+        import asyncio
+
+        from ..client import build_inputs
+
+        async def ask(url: str) -> Optional[int]:
+            async def requests():
+                yield {"model_name": "decode", "inputs": build_inputs(None, op="prefix", input_ids=list(prompt)),
+                       "request_id": "prefix-lookup"}
+            it = self.hub.client(url).stream_infer(requests())
+            try:
+                async for result, error in it:
+                    if error is not None:
+                        return None
+                    got = json.loads(bytes(result.as_numpy("op_json").reshape(-1)[0]))
+                    return int(got.get("held_tokens", 0))
+                return None
+            finally:
+                it.cancel()
+
+        async def ask_all() -> Dict[str, int]:
+            tasks = [asyncio.ensure_future(ask(u)) for u in urls]
+            done, late = await asyncio.wait(tasks, timeout=timeout_s)
+            for t in late:
+                t.cancel()
+            return {u: t.result() for u, t in zip(urls, tasks)
+                    if t in done and t.exception() is None and isinstance(t.result(), int)}
+
+        if not urls:
+            return {}
+        fut = asyncio.run_coroutine_threadsafe(ask_all(), self.hub.loop)
+        try:
+            return fut.result(timeout=timeout_s + 1.0)
+        except Exception as e:  # slow or unreachable: the router goes on with its own view (a miss costs time only)
+            fut.cancel()
+            log.debug("prefix lookup on %s: %s: %s", list(urls), type(e).__name__, e)
+            return {}
 
     def release(self, url: str, request_id: str) -> None:
         from ..client import build_inputs, stream_once

@@ -9,7 +9,8 @@ makes decode recompute at once (kv_sent=false) instead of waiting for KV that wi
 
 KV-aware routing (router.py, when configured): the member is the one whose prefix cache holds most of the prompt
 against its load, and a prompt it lacks only a short suffix of is prefilled there (no prefill hop, no KV moved):
-the decode request then carries no output_ids and the first token comes from the decode server.
+the decode request then carries no output_ids and the first token comes from the decode server. On a miss of
+the router's view the decode servers are asked first (lookup: another replica's router may have sent the history).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..errors import HetserveError, Overloaded, RequestError, kind_of_exception
 from ..sampling import is_stop_token
-from .router import PREFILL_PLACEMENT_METRIC, ROUTER_HIT_TOKENS_METRIC, PrefixRouter
+from .router import PREFILL_PLACEMENT_METRIC, ROUTER_HIT_TOKENS_METRIC, ROUTER_LOOKUP_METRIC, PrefixRouter
 from .types import (
     Breaker,
     DecodeClient,
@@ -129,9 +130,12 @@ class _GroupSink:
 class Orchestrator:
     def __init__(self, prefill: PrefillClient, decode: DecodeClient, pool: Pool, breaker: Breaker,
                  eos_ids, config: Optional[OrchestratorConfig] = None, metrics: Optional[Metrics] = None,
-                 router: Optional[PrefixRouter] = None):
+                 router: Optional[PrefixRouter] = None,
+                 lookup: Optional[Callable[[List[int]], Dict[str, int]]] = None):
         self.prefill, self.decode, self.pool, self.breaker = prefill, decode, pool, breaker
         self.router = router  # None: least-loaded member, every prompt prefilled on the prefill server
+        # lookup(prompt) -> {decode url: leading prompt tokens it holds}, asked on the router's misses (bounded)
+        self.lookup = lookup
         self.eos_ids = list(eos_ids)
         self.config = config or OrchestratorConfig()
         self.metrics = metrics or NoMetrics()
@@ -155,6 +159,9 @@ class Orchestrator:
             probe = True
             router = self.router
             costing = router.cost(router.hashes(req.prompt), len(req.prompt)) if router is not None else None
+            if router is not None and costing is not None and self.lookup is not None \
+                    and router.should_look_up(costing):
+                self._look_up(router, costing, req.prompt)
             member = lease[0] = self.pool.pick(cost=costing)
             rid = internal_request_id(req.request_id)
             route = router.route(member, costing, self._prefill_queued) if router and costing else None
@@ -224,6 +231,16 @@ class Orchestrator:
                 self.breaker.release_probe()
             if lease[0] is not None:
                 self.pool.release(lease[0])
+
+    def _look_up(self, router: PrefixRouter, costing, prompt: List[int]) -> None:
+        """Ask the decode servers what they hold of this prompt (a turn whose history another router sent)."""
+        assert self.lookup is not None
+        before = {u: router.hit_tokens(u, costing.hashes) for u in router.servers()}
+        held = self.lookup(prompt)
+        for url, n in held.items():
+            router.learn(url, costing.hashes, n // router.block)
+        found = any(n // router.block * router.block > before.get(u, 0) for u, n in held.items())
+        self.metrics.inc(ROUTER_LOOKUP_METRIC, result="found" if found else "none")
 
     def _send_interval(self, sink: TokenSink) -> float:
         """How often decode may send tokens: each at once for a stream, paced for one final answer."""

@@ -4,7 +4,11 @@ Each decode server keeps the KV of the sequences that ended on it in a prefix ca
 by the hash chain of their tokens, seeded with the build's compat hash) and publishes the block hashes it holds
 (decode op=prefix). The router keeps, per server, the hashes it last read (refresh() every
 HETSERVE_ROUTER_REFRESH_S) plus the ones it has sent there since (routed(): a finished sequence's prompt + answer,
-which the server caches when the stream ends), so a conversation's next turn finds its history at once.
+which the server caches when the stream ends), so a conversation's next turn finds its history at once. A turn
+whose history this router did not route (several prefill replicas each run a router; a load balancer spreads the
+turns) finds no holder in a view up to a refresh old: on such a miss (no server known to hold enough for a local
+prefill) the orchestrator asks the decode servers how much of this prompt they hold (decode op=prefix with the
+prompt, answered from the server's own cache, bounded by HETSERVE_ROUTER_LOOKUP_MS) and learn() records it.
 
 Choice: cost(server) = uncached prompt tokens + HETSERVE_ROUTER_LOAD_TOKENS x its streams in flight; the lowest
 cost wins (ties: the pool's round robin). Then conditional disaggregation: the prompt is prefilled on that server
@@ -38,6 +42,8 @@ log = logging.getLogger("hetserve.router")
 PREFILL_PLACEMENT_METRIC = "hetserve_prefill_placement_total"
 # {}: prompt tokens the router expected the chosen decode server to hold
 ROUTER_HIT_TOKENS_METRIC = "hetserve_router_hit_tokens_total"
+# {result=found|none}: misses on which the decode servers were asked (found: one held more than the view said)
+ROUTER_LOOKUP_METRIC = "hetserve_router_lookups_total"
 
 
 @dataclass
@@ -134,6 +140,31 @@ class PrefixRouter:
             for h in hs:
                 held[h] = now
                 held.move_to_end(h)
+            self._trim(held)
+
+    def should_look_up(self, costing: "Costing") -> bool:
+        """A miss worth asking the decode servers about: the prompt is long enough for a held prefix to matter,
+        and no server is known to hold enough of it for a local prefill."""
+        c, n = self.config, costing.prompt_len
+        if n <= max(c.local_prefill_min_hit_tokens, self.block) or c.local_prefill_max_tokens <= 0:
+            return False
+        with self._lock:
+            urls = list(self._index)
+        best = max((self.hit_tokens(u, costing.hashes) for u in urls), default=0)
+        best = min(best, n - 1)
+        return not local_prefill_eligible(c, n - best, best, n)
+
+    def learn(self, url: str, hashes: Sequence[bytes], blocks: int) -> None:
+        """`url` says it holds the first `blocks` of this chain (and not the next one): recorded like a routed
+        sequence (kept over a refresh for recent_s), the block after them dropped from the view."""
+        now = self.clock()
+        with self._lock:
+            held = self._index.setdefault(url, collections.OrderedDict())
+            for h in hashes[:blocks]:
+                held[h] = now
+                held.move_to_end(h)
+            if blocks < len(hashes):
+                held.pop(hashes[blocks], None)
             self._trim(held)
 
     def refresh(self, url: str, published: Iterable[bytes]) -> None:

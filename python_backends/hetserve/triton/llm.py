@@ -32,7 +32,14 @@ from ..reliability import CircuitBreaker, DecodePool
 from ..sampling import MAX_CHOICES, TokenLogprobs
 from ..stages.grpc_decode import GrpcDecodeClient
 from ..stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
-from ..stages.router import PREFILL_PLACEMENT_METRIC, ROUTER_HIT_TOKENS_METRIC, PrefixRouter, Refresher, RouterConfig
+from ..stages.router import (
+    PREFILL_PLACEMENT_METRIC,
+    ROUTER_HIT_TOKENS_METRIC,
+    ROUTER_LOOKUP_METRIC,
+    PrefixRouter,
+    Refresher,
+    RouterConfig,
+)
 from ..stages.types import GenerateRequest, PrefillJob, PrefillResult
 from ..structured import GuideSpec
 from ..tokenizer import encode_prompt
@@ -183,14 +190,27 @@ class TritonPythonModel:
                                whole_answer_send_interval_s=min(config.get("HETSERVE_WHOLE_ANSWER_SEND_MS") / 1e3,
                                                                 step_timeout_s / 4),
                                max_migrations=int(config.get("HETSERVE_MAX_MIGRATIONS"))),
-            metrics=REGISTRY, router=self.router)
+            metrics=REGISTRY, router=self.router, lookup=self._prefix_lookup())
         tokenizer()
+
+    def _prefix_lookup(self):
+        """The router's lookup on a miss: every healthy decode server asked at once (HETSERVE_ROUTER_LOOKUP_MS)."""
+        wait_s = float(config.get("HETSERVE_ROUTER_LOOKUP_MS")) / 1e3
+        if self.router is None or wait_s <= 0:
+            return None
+
+        def lookup(prompt):
+            healthy = [u for u, m in self.pool.snapshot().items() if m.healthy]
+            return self.decode_client.held_tokens(healthy, prompt, wait_s)
+        return lookup
 
     def _kv_router(self, compat_hash: str):
         """The KV-aware router and the thread that reads the decode servers' block lists (HETSERVE_KV_ROUTING)."""
         for where in ("prefill", "decode"):
             REGISTRY.declare(PREFILL_PLACEMENT_METRIC, where=where)
         REGISTRY.declare(ROUTER_HIT_TOKENS_METRIC)
+        for result in ("found", "none"):
+            REGISTRY.declare(ROUTER_LOOKUP_METRIC, result=result)
         if not config.get("HETSERVE_KV_ROUTING"):
             return None, None
         from ..client import decode_json_op

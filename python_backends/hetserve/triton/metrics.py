@@ -25,6 +25,7 @@ useful, `model`. Names are part of the deployment contract (alerts, Grafana, tes
   hetserve_decode_prefix_cache_bytes gauge    bytes held by the decode server's prefix cache
   hetserve_prefill_placement_total counter    {where=prefill|decode} where the router had a prompt prefilled (llm)
   hetserve_router_hit_tokens_total counter    prompt tokens the router expected the chosen decode server to hold
+  hetserve_router_lookups_total counter       {result=found|none} router misses on which the decode servers were asked
   hetserve_batch_size              gauge      sequences in the last decode step
   hetserve_prefill_batch_size      histogram  prompts per prefill forward (stages/prefill_batch.py)
   hetserve_prefill_requests_total  counter    prompts prefilled (an n > 1 request counts once)
@@ -84,6 +85,8 @@ _SPECS = {
                                                     "the chosen decode server)", None),
     "hetserve_router_hit_tokens_total": ("counter", "Prompt tokens the KV-aware router expected the chosen "
                                                     "decode server to hold", None),
+    "hetserve_router_lookups_total": ("counter", "Router misses on which the decode servers were asked what they "
+                                                 "hold of the prompt (found: more than the router's view)", None),
     "hetserve_batch_size": ("gauge", "Sequences in the last decode step", None),
     "hetserve_prefill_requests_total": ("counter", "Prompts prefilled (a request for n choices counts once)", None),
     "hetserve_prefill_choices_total": ("counter", "First tokens sampled for requests of n > 1 choices (n each)",
