@@ -49,7 +49,7 @@ SYSTEM = ("You are a careful assistant for an engineering team. Answer from the 
 COUNTERS = ("hetserve_kv_transfer_bytes_total", "hetserve_kv_prefix_hit_tokens_total",
             "hetserve_prefill_requests_total", "hetserve_kv_prefix_lookups_total", "hetserve_kv_prefix_hits_total",
             "hetserve_decode_prefix_hit_tokens_total", "hetserve_decode_prefill_tokens_total",
-            "hetserve_prefill_placement_total")
+            "hetserve_prefill_placement_total", "hetserve_router_lookups_total")
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -71,7 +71,7 @@ def conversation(rng: random.Random, kind: str, turns: int) -> List[str]:
 
 
 def scrape(urls: List[str]) -> Dict[str, float]:
-    """COUNTERS summed over the servers (placement split by its `where` label)."""
+    """COUNTERS summed over the servers (placement split by its `where` label, lookups by `result`)."""
     tot: Dict[str, float] = {}
     for url in urls:
         with urllib.request.urlopen(f"http://{url}/metrics", timeout=10) as r:
@@ -80,7 +80,7 @@ def scrape(urls: List[str]) -> Dict[str, float]:
             m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
             if m and m.group(1) in COUNTERS:
                 name = m.group(1)
-                where = re.search(r'where="(\w+)"', m.group(2) or "")
+                where = re.search(r'(?:where|result)="(\w+)"', m.group(2) or "")
                 if where:
                     name += "." + where.group(1)
                 tot[name] = tot.get(name, 0.0) + float(m.group(3))
@@ -159,6 +159,9 @@ def report(a, results: List[dict], counters: Dict[str, float], wall_s: float) ->
                 "decode": counters.get("hetserve_decode_prefix_hit_tokens_total", 0.0) / max(prompt_tokens, 1)},
             "prefill_requests": counters.get("hetserve_prefill_requests_total", 0.0),
             "prefilled_on_decode": counters.get("hetserve_prefill_placement_total.decode", 0.0),
+            "router_lookups_found": counters.get("hetserve_router_lookups_total.found", 0.0),
+            "router_lookups": (counters.get("hetserve_router_lookups_total.found", 0.0)
+                               + counters.get("hetserve_router_lookups_total.none", 0.0)),
             "counters": counters, "load": os.getloadavg(),
             "settings": {k: v for k, v in vars(a).items() if k != "json"}}
 
@@ -186,6 +189,7 @@ def one_run(a, routing: bool) -> dict:
     print(f"KV bytes moved per request {rep['kv_bytes_per_request'] / 1e6:.2f} MB; prefix hit tokens per prompt "
           f"token {rep['prefix_hit_tokens_per_prompt_token']:.2f} (prefill {tiers['prefill']:.2f}, decode "
           f"{tiers['decode']:.2f}); prefilled on decode {rep['prefilled_on_decode']:.0f} of {rep['requests']}; "
+          f"router lookups {rep['router_lookups']:.0f} ({rep['router_lookups_found']:.0f} found more); "
           f"goodput {rep['goodput_req_per_s']:.3f} req/s over {wall:.0f} s; load {rep['load']}")
     return {"report": rep, "requests": results}
 

@@ -102,7 +102,7 @@ def _split(work: Workload, d: Deployment, prompt: np.ndarray) -> tuple[np.ndarra
     r = d.routing
     if not r.kv_aware:
         return uncached, prompt, np.zeros(prompt.shape, dtype=bool)
-    candidate = local_prefill_eligible(r, uncached, held, prompt) & (held > 0)
+    candidate = local_prefill_eligible(r, uncached, held, prompt)  # the router's rule (0 floors: held or not)
     return uncached, uncached, candidate
 
 
