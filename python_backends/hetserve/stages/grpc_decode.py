@@ -245,8 +245,12 @@ class GrpcDecodeClient:
             done, late = await asyncio.wait(tasks, timeout=timeout_s)
             for t in late:
                 t.cancel()
-            return {u: t.result() for u, t in zip(urls, tasks)
-                    if t in done and t.exception() is None and isinstance(t.result(), int)}
+            held: Dict[str, int] = {}
+            for u, t in zip(urls, tasks):
+                n = t.result() if t in done and t.exception() is None else None
+                if n is not None:
+                    held[u] = n
+            return held
 
         if not urls:
             return {}
