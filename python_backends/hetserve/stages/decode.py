@@ -304,12 +304,13 @@ class DecodeStage:
 
     def _op_prefix(self, call: DecodeCall, reply: Reply) -> None:
         p = self.prefix
+        block = p.block if p is not None else 0
         if call.prompt:  # held tokens compared by token, not only by hash (cached_blocks checks the chain)
             schema.check_prompt(call.prompt, self.cfg, 0)
-            reply.json({"block_tokens": p.block if p is not None else 0,
-                        "held_tokens": p.cached_blocks(call.prompt) * p.block if p is not None else 0})
+            reply.json({"block_tokens": block,
+                        "held_tokens": p.cached_blocks(call.prompt) * block if p is not None else 0})
             return
-        reply.json({"block_tokens": p.block if p is not None else 0,
+        reply.json({"block_tokens": block,
                     "blocks": [h.hex() for h in p.held(MAX_PUBLISHED_BLOCKS)] if p is not None else []})
 
     def _op_generate(self, call: DecodeCall, reply: Reply) -> None:

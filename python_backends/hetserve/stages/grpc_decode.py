@@ -225,10 +225,13 @@ class GrpcDecodeClient:
 
         from ..client import build_inputs
 
+        if not urls:
+            return {}
+        inputs = build_inputs(None, op="prefix", input_ids=list(prompt))  # one serialised prompt for every server
+
         async def ask(url: str) -> Optional[int]:
             async def requests():
-                yield {"model_name": "decode", "inputs": build_inputs(None, op="prefix", input_ids=list(prompt)),
-                       "request_id": "prefix-lookup"}
+                yield {"model_name": "decode", "inputs": inputs, "request_id": "prefix-lookup"}
             it = self.hub.client(url).stream_infer(requests())
             try:
                 async for result, error in it:
@@ -252,8 +255,6 @@ class GrpcDecodeClient:
                     held[u] = n
             return held
 
-        if not urls:
-            return {}
         fut = asyncio.run_coroutine_threadsafe(ask_all(), self.hub.loop)
         try:
             return fut.result(timeout=timeout_s + 1.0)

@@ -235,11 +235,11 @@ class Orchestrator:
     def _look_up(self, router: PrefixRouter, costing, prompt: List[int]) -> None:
         """Ask the decode servers what they hold of this prompt (a turn whose history another router sent)."""
         assert self.lookup is not None
-        before = {u: router.hit_tokens(u, costing.hashes) for u in router.servers()}
-        held = self.lookup(prompt)
-        for url, n in held.items():
-            router.learn(url, costing.hashes, n // router.block)
-        found = any(n // router.block * router.block > before.get(u, 0) for u, n in held.items())
+        found = False
+        for url, n in self.lookup(prompt).items():
+            blocks = n // router.block
+            found = found or blocks * router.block > router.hit_tokens(url, costing.hashes)
+            router.learn(url, costing.hashes, blocks)
         self.metrics.inc(ROUTER_LOOKUP_METRIC, result="found" if found else "none")
 
     def _send_interval(self, sink: TokenSink) -> float:

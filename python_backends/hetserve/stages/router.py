@@ -133,14 +133,8 @@ class PrefixRouter:
 
     def routed(self, url: str, ids: Sequence[int]) -> None:
         """The KV of `ids` now lives on `url` (a sequence ended there: the server caches prompt + answer)."""
-        now = self.clock()
         hs = self.hashes(ids)
-        with self._lock:
-            held = self._index.setdefault(url, collections.OrderedDict())
-            for h in hs:
-                held[h] = now
-                held.move_to_end(h)
-            self._trim(held)
+        self.learn(url, hs, len(hs))
 
     def should_look_up(self, costing: "Costing") -> bool:
         """A miss worth asking the decode servers about: the prompt is long enough for a held prefix to matter,
