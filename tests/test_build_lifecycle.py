@@ -60,7 +60,18 @@ def test_build_plan_by_size_and_refusal_before_writing():
     assert big.params == 1_235_814_400  # Llama-3.2-1B as published
     assert big.prefill_exact16 and not big.baselines
     assert {n: u["fallback"] for n, u in big.unbuilt.items()} == {"decode_fp32": "decode_fp32_standard",
-                                                                   "decode_int8_standard": "decode_int8"}
+                                                                   "decode_int8_standard": "decode_int8",
+                                                                   "decode_int8_qdq": None, "decode_fp8_qdq": None}
+    assert not big.qdq and "--qdq yes" in big.unbuilt["decode_fp8_qdq"]["reason"]
+    # the QDQ graphs are TensorRT's input: built whenever it builds, or when asked; never refused silently
+    assert plan_build(_shape_only(), tensorrt=True).qdq and plan_build(_shape_only(), qdq="yes").qdq
+    assert "decode_fp8_qdq" not in plan_build(_shape_only(), qdq="yes").unbuilt
+    with pytest.raises(ValueError, match="TensorRT"):
+        plan_build(_shape_only(), qdq="no", tensorrt=True)
+    from hetserve.engines.manifest import unresolved_engines  # a server configured for one refuses, saying why
+
+    [msg] = unresolved_engines({"engines": {"decode_int8": {}}, "unbuilt": big.unbuilt}, ["decode_fp8_qdq"])
+    assert "was not built (QDQ graph not built: it is TensorRT's input" in msg
     assert 5 << 30 < big.estimate_bytes() < 8 << 30  # measured peak 6.6 GiB (loadtest/README.md)
     assert big.serving["HETSERVE_DECODE_ENGINES"] == "decode_int8_native"
     with pytest.raises(BuildRefused, match=r"needs about \d+\.\d GiB of memory and 2\.0 GiB is available"):
@@ -68,7 +79,7 @@ def test_build_plan_by_size_and_refusal_before_writing():
     check_memory(big, available=64 << 30)
     small = plan_build(_shape_only(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                                    num_heads=9, num_kv_heads=3))
-    assert small.baselines and not small.prefill_exact16 and not small.unbuilt and not small.serving
+    assert small.baselines and small.qdq and not small.prefill_exact16 and not small.unbuilt and not small.serving
     assert plan_build(_shape_only(), prefill_weights="fp32").prefill_exact16 is False
 
 

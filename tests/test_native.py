@@ -583,6 +583,7 @@ def test_packing_in_chunks_equals_packing_whole(monkeypatch):
     w = (rng.standard_normal((112, 256)) * rng.uniform(0.01, 3, (112, 1))).astype(np.float32)
     w[3, :32] = 0
     w[40] = 0
+    monkeypatch.setattr(native, "_PACK_LIB", [None])  # the numpy packer (the C one does not chunk)
     monkeypatch.setattr(build_plan, "CHUNK_BYTES", 1 << 30)
     whole = native.quantize_matrix(w, 32)
     monkeypatch.setattr(build_plan, "CHUNK_BYTES", 16 * 256 * 4)
@@ -590,3 +591,27 @@ def test_packing_in_chunks_equals_packing_whole(monkeypatch):
     chunked = native.quantize_matrix(w, 32)
     for a, b in zip(whole, chunked):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+def test_c_packing_writes_numpy_packings_bytes(bs, monkeypatch):
+    """hs_pack_rows (the build's packer when the library runs here) repeats quantize_matrix's numpy arithmetic step
+    for step, so both write the same bytes: rows of very different scales, heavy tails, zero rows and blocks, tiny
+    and huge values, and rows split over threads (N not a multiple of the thread count's spans)."""
+    rng = np.random.default_rng(11 + bs)
+    N, K = 400, 512
+    w = (rng.standard_normal((N, K)) * rng.uniform(1e-4, 30, (N, 1))).astype(np.float32)
+    w[::7] *= rng.standard_t(2, (len(w[::7]), K)).astype(np.float32)  # outliers: the u choice differs per block
+    w[5] = 0
+    w[9, :bs] = 0
+    w[13, 3] = 1e30
+    w[17] *= np.float32(1e-30)
+    monkeypatch.setattr(native, "PACK_THREADS_MAX", 3)
+    monkeypatch.setattr(native.os, "cpu_count", lambda: 3)
+    assert native._pack_library() is not None
+    c = native.quantize_matrix(w, bs)
+    monkeypatch.setattr(native, "_PACK_LIB", [None])
+    ref = native.quantize_matrix(w, bs)
+    for a, b in zip(c, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a, b), np.argwhere(a != b)[:5]

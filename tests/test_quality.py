@@ -51,6 +51,42 @@ def test_gate_can_fail(engine_dir):
     assert quality.compare(ref, ref, "t").mean_kld == 0.0
 
 
+def test_compare_equals_the_textbook_kld():
+    """compare's KLD (sum p (x - y) - lse x + lse y, threaded chunks) is sum p (log p - log q) in float64, and its
+    same-top-1 the argmax of the log-probabilities: logits far apart, near each other, shifted by a constant
+    (KLD 0), and more positions than one chunk."""
+    rng = np.random.default_rng(3)
+    ref = (rng.standard_normal((70, 500)) * 4).astype(np.float32)
+    for other in (ref + rng.standard_normal(ref.shape).astype(np.float32),
+                  ref + np.float32(1e-3) * rng.standard_normal(ref.shape).astype(np.float32),
+                  ref + np.float32(25.0)):
+        lp, lq = quality._log_softmax(ref), quality._log_softmax(other)
+        k = np.maximum((np.exp(lp) * (lp - lq)).sum(-1), 0.0)
+        got = quality.compare(ref[:, None], other[:, None], "t", chunk=16)
+        assert got.tokens == 70
+        assert abs(got.mean_kld - k.mean()) <= 1e-12 + 1e-9 * k.mean()
+        assert abs(got.p99_kld - np.percentile(k, 99)) <= 1e-12 + 1e-9 * k.max()
+        assert got.same_top_pct == (lp.argmax(-1) == lq.argmax(-1)).mean() * 100
+
+
+def test_native_rows_per_core_equal_one_batch(engine_dir, monkeypatch):
+    """The gate runs a native engine's rows on one engine per core: the logits are those of one batch, bit for
+    bit (three engines over four rows: uneven parts)."""
+    from hetserve.engines.manifest import load_tokenizer
+
+    ids = quality.token_matrix(load_tokenizer(engine_dir), quality.EVAL_TEXTS[:4])
+    eng = quality.open_for_scoring(engine_dir, "decode_int8_native")
+    one = quality.teacher_forced(eng, ids)
+    monkeypatch.setattr(quality.os, "cpu_count", lambda: 3)
+    opened = []
+
+    def reopen():
+        opened.append(quality.open_for_scoring(engine_dir, "decode_int8_native"))
+        return opened[-1]
+    split = quality.teacher_forced_per_core(eng, ids, reopen)
+    assert len(opened) == 2 and np.array_equal(one, split)
+
+
 def test_score_view_equals_one_step_per_token(engine_dir):
     """The gate scores standard-op graphs in one call (score view); it must give what one decode step per token
     gives: the same logits for the FP32 graph (plain and after a KV wire round trip), and the same KLD for the FP8

@@ -22,7 +22,7 @@ def _engine_dir(args) -> str:
 def cmd_build(args) -> int:
     from .engines.builder import build_engines
 
-    build_engines(args.checkpoint, _engine_dir(args), tensorrt=args.tensorrt, force=args.force)
+    build_engines(args.checkpoint, _engine_dir(args), tensorrt=args.tensorrt, force=args.force, qdq=args.qdq)
     return 0
 
 
@@ -350,6 +350,8 @@ def main(argv=None) -> int:
     b.add_argument("--engine-dir", "--out", dest="engine_dir")
     b.add_argument("--tensorrt", action="store_true", default=None, help="also build TensorRT engines (GPU)")
     b.add_argument("--force", action="store_true")
+    b.add_argument("--qdq", choices=["auto", "yes", "no"], default="auto",
+                   help="the QDQ INT8/FP8 graphs TensorRT builds from (auto: small models, or with TensorRT)")
     b.set_defaults(fn=cmd_build)
     u = sub.add_parser("up", help="build if needed, start prefill + decode servers, stream an answer")
     u.add_argument("--checkpoint")

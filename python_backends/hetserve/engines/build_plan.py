@@ -3,9 +3,10 @@
 Small models (FP32 weights <= LARGE_FP32_BYTES) get every engine, the A/B baselines included. Larger ones get the
 engines a deployment serves: the FP32 prefill/reference graph with the checkpoint's own 16-bit values when they are
 16-bit (exact: the same math as FP32 weights, half the memory; onnx_weights.Exact16Codec), the INT8 decode graph,
-the native INT8 engine, and the QDQ graphs TensorRT builds from. The fp32 fused decode graph and the INT8
-standard-op graph (each one more full copy of the weights, only used for A/B runs) are recorded as `unbuilt`
-with the engine served in their place.
+the native INT8 engine, and the QDQ graphs TensorRT builds from when this build has TensorRT (or `--qdq yes`).
+The fp32 fused decode graph and the INT8 standard-op graph (each one more full copy of the weights, only used for
+A/B runs) are recorded as `unbuilt` with the engine served in their place; skipped QDQ graphs are recorded as
+`unbuilt` with no fallback (a server configured for one refuses to start, naming why).
 """
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ GiB = 1 << 30
 # decode server beside it (a Llama-3.2-1B shape is 4.6 GiB of FP32 weights; SmolLM2-135M 0.5 GiB).
 LARGE_FP32_BYTES = 2 * GiB
 PREFILL_WEIGHTS = ("auto", "fp32", "exact16")
+QDQ_CHOICES = ("auto", "yes", "no")
+# The QDQ graphs (TensorRT's input for decode_int8_trt / decode_fp8_trt; ONNX Runtime runs them slowly on a CPU).
+# At 1B they and their calibration and gate rows were 125 s of a 405 s build (loadtest/README.md).
+QDQ_ENGINES = ("decode_int8_qdq", "decode_fp8_qdq")
 
 # Elementwise conversions of a weight matrix (quantization) run over row chunks of about this many bytes of
 # float32: their temporaries stay in L2 and come from malloc's heap (the builder sends allocations over 1 MiB to
@@ -53,6 +58,7 @@ class BuildPlan:
     vocab: int
     prefill_exact16: bool
     baselines: bool
+    qdq: bool = True  # the QDQ INT8 / FP8 graphs (QDQ_ENGINES)
     unbuilt: Dict[str, dict] = field(default_factory=dict)
     serving: Dict[str, str] = field(default_factory=dict)  # engine settings' defaults for this model (manifest)
 
@@ -68,24 +74,37 @@ class BuildPlan:
         return (f"{self.params / 1e9:.2f}B parameters; prefill/reference weights "
                 f"{'16-bit (exact checkpoint values)' if self.prefill_exact16 else 'fp32'}; "
                 f"A/B baselines {'built' if self.baselines else 'skipped'}; "
+                f"QDQ graphs {'built' if self.qdq else 'skipped'}; "
                 f"estimated peak memory {self.estimate_bytes() / GiB:.1f} GiB")
 
 
-def plan_build(ckpt: Checkpoint, prefill_weights: str = "auto") -> BuildPlan:
+def plan_build(ckpt: Checkpoint, prefill_weights: str = "auto", qdq: str = "auto",
+               tensorrt: bool = False) -> BuildPlan:
+    """qdq: auto (build the QDQ graphs for small models and whenever TensorRT builds from them) | yes | no."""
     if prefill_weights not in PREFILL_WEIGHTS:
         raise ValueError(f"prefill weights {prefill_weights!r}: one of {PREFILL_WEIGHTS}")
+    if qdq not in QDQ_CHOICES:
+        raise ValueError(f"qdq {qdq!r}: one of {QDQ_CHOICES}")
+    if qdq == "no" and tensorrt:
+        raise ValueError("--qdq no with TensorRT: its decode engines are built from the QDQ graphs")
     shapes = expected_tensors(ckpt.config)
     sizes = [_numel(s) for s in shapes.values()]
     params = sum(sizes)
     large = params * 4 > LARGE_FP32_BYTES
     plan = BuildPlan(params=params, largest=max(sizes), vocab=ckpt.config.vocab_size,
                      prefill_exact16=prefill_weights == "exact16" or (prefill_weights == "auto" and large),
-                     baselines=not large)
+                     baselines=not large, qdq=qdq == "yes" or (qdq == "auto" and (tensorrt or not large)))
     if large:
         why = (f"A/B baseline not built: FP32 weights {params * 4 / GiB:.1f} GiB > {LARGE_FP32_BYTES / GiB:.0f} GiB "
                "(each baseline is one more full copy)")
         plan.unbuilt = {n: {"reason": why, "fallback": fb} for n, fb in BASELINE_FALLBACKS.items()}
         plan.serving = dict(LARGE_SERVING)
+    if not plan.qdq:
+        why = ("QDQ graph not built (--qdq no)" if qdq == "no" else
+               f"QDQ graph not built: it is TensorRT's input and this build has no TensorRT, and at "
+               f"{params / 1e9:.2f}B parameters it would add about 40% to the build; `hetserve build --qdq yes` "
+               "builds and quality-gates it")
+        plan.unbuilt.update({n: {"reason": why, "fallback": None} for n in QDQ_ENGINES})
     return plan
 
 

@@ -59,9 +59,9 @@ def gpu_available() -> bool:
 
 def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bool] = None,
                   force: bool = False, log: Optional[Callable[[str], None]] = None,
-                  prefill_weights: str = "auto") -> dict:
-    """prefill_weights: auto | fp32 | exact16 (build_plan.py). Raises build_plan.BuildRefused, before writing
-    anything, when the machine's available memory cannot hold the build."""
+                  prefill_weights: str = "auto", qdq: str = "auto") -> dict:
+    """prefill_weights: auto | fp32 | exact16; qdq: auto | yes | no (build_plan.py). Raises build_plan.BuildRefused,
+    before writing anything, when the machine's available memory cannot hold the build."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,9 +71,9 @@ def build_engines(checkpoint: Optional[str], out_dir: str, tensorrt: Optional[bo
     ckpt = load_checkpoint(checkpoint)
     chash = compat_hash(ckpt.source_hash, ckpt.config)
     use_trt = gpu_available() if tensorrt is None else tensorrt
-    plan = plan_build(ckpt, prefill_weights)
+    plan = plan_build(ckpt, prefill_weights, qdq, bool(use_trt))
     key = {"compat_hash": chash, "builder": BUILDER_VERSION, "tensorrt": bool(use_trt),
-           "prefill_exact16": plan.prefill_exact16}
+           "prefill_exact16": plan.prefill_exact16, "qdq": plan.qdq}
     old = read_manifest(out)
     if not force and old and old.get("build_key") == key and "kv_quality" in old and all(
             (out / e["file"]).exists() for e in old["engines"].values()):
@@ -219,7 +219,10 @@ def _build_into(out: Path, ckpt, plan: BuildPlan, key: dict, chash: str, use_trt
     unbuilt = dict(plan.unbuilt)
 
     log(f"[4/{STEPS}] QDQ graphs for TensorRT + native INT8 engine  +{time.time() - t0:.1f}s")
-    engines.update(_build_qdq(ckpt, fp32, bool(ref.get("compact")), out, log, t0))
+    if plan.qdq:
+        engines.update(_build_qdq(ckpt, fp32, bool(ref.get("compact")), out, log, t0))
+    else:
+        log("  QDQ graphs skipped (no TensorRT in this build; `--qdq yes` builds them)")
     native, native_unbuilt = _build_native(ckpt, out, log, t0)
     _trim_heap()
     engines.update(native)

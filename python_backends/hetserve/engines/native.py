@@ -41,7 +41,7 @@ from .build_plan import chunk_rows
 log = logging.getLogger("hetserve.native")
 
 SRC_DIR = Path(__file__).resolve().parent / "native"
-SOURCES = ("hs_engine.h", "hs_engine.c", "hs_gemm.h", "hs_simd.h")
+SOURCES = ("hs_engine.h", "hs_engine.c", "hs_gemm.h", "hs_simd.h", "hs_pack.h")
 FORMAT = 2  # packed weight file layout (hs_gemm.h); bump when it changes (2: uint8 block scales)
 ISA_FLAGS = {
     "avx512": ["-DHS_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2",
@@ -217,18 +217,60 @@ def quantize_matrix(w: np.ndarray, bs: int) -> Tuple[np.ndarray, np.ndarray, np.
     block): block b of row n has scale u[n, b] * d[n], d = max block absmax / (127 * 255), and u in 1..255 is the
     ceil, floor or nearest of absmax / (127 d) whichever reconstructs the block best (smallest squared error);
     q = round(w / scale) in [-127, 127], stored + 128 (loadtest/native_ab.py compares block sizes end to end).
-    Rows are independent: quantized in cache-sized chunks (build_plan.chunk_rows) into the outputs."""
+    Packed by the C library's hs_pack_rows on every core when it runs here (the same bytes: tests/test_native.py),
+    else by numpy (_quantize_rows) in cache-sized row chunks (build_plan.chunk_rows)."""
     N, K = w.shape
     if N % 16 or K % bs:
         raise ValueError(f"matrix {N}x{K}: N must be a multiple of 16 and K of the block size {bs}")
     qp = np.empty((N // 16, K // 4, 16, 4), np.uint8)
     sp = np.empty((N // 16, K // bs, 16), np.uint8)
     d = np.empty(N, np.float32)
+    lib = _pack_library()
+    if lib is not None:
+        _pack_c(lib, np.ascontiguousarray(w, np.float32), bs, qp, sp, d)
+        return qp, sp, d
     rows = chunk_rows(K, 16)
     for i in range(0, N, rows):
         j = min(N, i + rows)
         _quantize_rows(w[i:j], bs, qp[i // 16:j // 16], sp[i // 16:j // 16], d[i:j])
     return qp, sp, d
+
+
+_PACK_LIB: list = []  # [lib or None] once known: a machine that cannot compile the engine packs with numpy
+PACK_THREADS_MAX = 8
+
+
+def _pack_library():
+    if not _PACK_LIB:
+        try:
+            _PACK_LIB.append(library())
+        except NativeUnavailable as e:
+            log.info("packing INT8 weights with numpy (the native library does not run here: %s)", e)
+            _PACK_LIB.append(None)
+    return _PACK_LIB[0]
+
+
+def _pack_c(lib, w: np.ndarray, bs: int, qp: np.ndarray, sp: np.ndarray, d: np.ndarray) -> None:
+    """hs_pack_rows over row ranges (multiples of 16) on up to PACK_THREADS_MAX threads (cffi drops the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    N, K = w.shape
+    args = (_f32(w), N, K, bs)
+    bufs = (_ptr("uint8_t *", qp), qp.size, _ptr("uint8_t *", sp), sp.size, _ptr("float *", d), d.size)
+    threads = max(1, min(PACK_THREADS_MAX, os.cpu_count() or 1, N // 16))
+    step = -(-N // 16 // threads) * 16
+    spans = [(i, min(N, i + step)) for i in range(0, N, step)]
+
+    def one(span: Tuple[int, int]) -> None:
+        rc = lib.hs_pack_rows(*args, span[0], span[1], *bufs)
+        if rc != 0:
+            raise NativeCallRefused(f"hs_pack_rows {N}x{K} block {bs}", rc, error_text(lib, rc))
+
+    if len(spans) == 1:
+        one(spans[0])
+        return
+    with ThreadPoolExecutor(len(spans), thread_name_prefix="hs-pack") as pool:
+        list(pool.map(one, spans))
 
 
 def _quantize_rows(w: np.ndarray, bs: int, qp: np.ndarray, sp: np.ndarray, d_out: np.ndarray) -> None:
@@ -326,7 +368,7 @@ def build_native_int8(ckpt, out_dir: Path, blocks: Optional[Dict[str, int]] = No
             f.write(b"\0" * pad)
             off += pad
             index[key] = [off, arr.dtype.str, list(arr.shape)]
-            f.write(arr.tobytes())
+            f.write(memoryview(arr.reshape(-1).view(np.uint8)))  # no copy of the array
             off += arr.nbytes
 
         put("embed", np.asarray(W["model.embed_tokens.weight"], np.float32))

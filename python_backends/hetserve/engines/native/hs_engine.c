@@ -491,3 +491,5 @@ int hs_qgemm(Scratch* s, const Model* m, const QMat* W, int32_t M, hs_f32 x, flo
     hs_gemm(s->xq, s->xs, s->xc, M, W, y, W->N, 0);
     return HS_OK;
 }
+
+#include "hs_pack.h"

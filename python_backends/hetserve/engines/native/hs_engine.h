@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 /* cdef begin (plain declarations only: no #if, no macros other than integer constants) */
-#define HS_ABI 5
+#define HS_ABI 6
 
 /* a buffer and its length in elements */
 typedef struct { const float* p; int64_t n; } hs_f32;
@@ -99,6 +99,12 @@ int hs_profile(hs_scratch* s, double* out, int n);
 int hs_forward(const hs_model* m, hs_scratch* s, const hs_batch* b);
 /* y [M, W.N] = x W^T for a float x [M, W.K]: the GEMM alone (activation quantization included), for unit tests */
 int hs_qgemm(hs_scratch* s, const hs_model* m, const hs_qmat* W, int32_t M, hs_f32 x, float* y, int64_t y_len);
+/* Pack rows of a float32 matrix w [N, K] into an hs_qmat's q / s / d (the scheme: engines/native.py
+   quantize_matrix, whose numpy arithmetic this repeats step for step in float32, so either writes the same bytes).
+   Rows n0..n1 only (n0, n1 multiples of 16), so threads can share a matrix. HS_E_MATRIX: N not a multiple of 16, K
+   not of bs, or bs outside 1..128; HS_E_BUFFER: a buffer shorter than the whole matrix needs. */
+int hs_pack_rows(hs_f32 w, int32_t N, int32_t K, int32_t bs, int32_t n0, int32_t n1, uint8_t* q, int64_t q_len,
+                 uint8_t* s, int64_t s_len, float* d, int64_t d_len);
 /* cdef end */
 
 #endif
