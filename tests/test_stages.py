@@ -20,7 +20,15 @@ from hetserve.kv import wire
 from hetserve.reliability import BreakerOpen, CircuitBreaker, NoDecodeServer
 from hetserve.sampling import SamplingParams, TokenLogprobs
 from hetserve.scheduler import Overloaded
-from hetserve.stages.decode import DecodeConfig, DecodeStage, PacedReply, PendingKV, call_from_tensors
+from hetserve.stages.decode import (
+    DecodeConfig,
+    DecodeStage,
+    LiveGenerates,
+    LiveReply,
+    PacedReply,
+    PendingKV,
+    call_from_tensors,
+)
 from hetserve.stages.grpc_decode import stream_error
 from hetserve.stages.orchestrator import REQUEST_ERRORS_METRIC, TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
 from hetserve.stages.types import DecodeCall, DecodeFailed, GenerateRequest, PrefillResult, TokenChunk
@@ -613,7 +621,9 @@ def test_paced_generate_wraps_its_reply_and_refuses_out_of_bounds(stage):
     stage.handle(DecodeCall("generate", "p1", [1, 5, 6], [10], SamplingParams(max_tokens=8), kv_sent=False,
                             send_interval_s=0.2), reply)
     assert reply.done.wait(5) and reply.sent[-1] == ("tokens", [42], "length")
-    assert isinstance(stage.sched.seqs[-1].is_cancelled.__self__, PacedReply)
+    live = stage.sched.seqs[-1].is_cancelled.__self__
+    assert isinstance(live, LiveReply) and isinstance(live.inner, PacedReply)  # op=cancel reaches it at once
+    assert len(stage.live) == 0  # it left the live set at its final answer
     bad = FakeReply()
     stage.handle(DecodeCall("generate", "p2", [1, 5, 6], [10], SamplingParams(max_tokens=8),
                             send_interval_s=60.0), bad)
@@ -629,3 +639,36 @@ def test_stages_import_no_triton_binding():
             "hetserve.schema, hetserve.errors; "
             "assert 'triton_python_backend_utils' not in sys.modules, 'a stage imports the Triton binding'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_op_cancel_ends_the_live_generate_of_that_id_only():
+    """op=cancel (what a client sharing one gRPC stream sends): the generates of that request id see cancelled()
+    at once, others do not; a generate leaves the live set at its final answer or error; an id with no generate
+    in progress is answered, not refused. Unit test: FakeReply-style inner replies, no Triton."""
+    class Inner:
+        def __init__(self):
+            self.sent = []
+
+        def tokens(self, ids, finish_reason=None, final=False, logprobs=None):
+            self.sent.append(("tokens", list(ids), finish_reason, final))
+
+        def error(self, exc):
+            self.sent.append(("error", exc))
+
+        def json(self, obj):
+            self.sent.append(("json", obj))
+
+        def cancelled(self):
+            return False
+
+    live = LiveGenerates()
+    a, b, a2 = live.add(Inner(), "a"), live.add(Inner(), "b"), live.add(Inner(), "a")
+    assert len(live) == 3 and not a.cancelled()
+    assert live.cancel("a") == 2 and a.cancelled() and a2.cancelled() and not b.cancelled()
+    assert live.cancel("nobody") == 0
+    a.tokens([1], "cancelled", final=True)
+    a2.error(RuntimeError("x"))
+    b.tokens([2], None, final=False)
+    assert len(live) == 1
+    b.tokens([], "stop", final=True)
+    assert len(live) == 0 and b.inner.sent[-1] == ("tokens", [], "stop", True)

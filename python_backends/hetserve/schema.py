@@ -92,7 +92,7 @@ _INPUTS = [
     Input("decode_precision", "STRING", SCALAR, doc="decode engine precision (llm)"),
     # internal hops (operator ops are on the admin side channel, admin_channel.py, not in these schemas)
     Input("op", "STRING", SCALAR,
-          doc="decode: generate|ingest|release|canary|stats|prefix; kv_ingest: ingest|caps|ping"),
+          doc="decode: generate|cancel|ingest|release|canary|stats|prefix; kv_ingest: ingest|caps|ping"),
     Input("request_id", "STRING", SCALAR),
     Input("decode_url", "STRING", SCALAR, doc="set by the orchestrator (internal_token) or an admin"),
     Input("internal_token", "STRING", SCALAR, doc="HMAC proving the llm -> prefill hop"),

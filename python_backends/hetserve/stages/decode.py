@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from .types import DecodeCall, Metrics, NoMetrics, Reply
 log = logging.getLogger("hetserve.decode")
 
 PENDING_TTL_S = 120.0
-OPS = ("generate", "ingest", "release", "canary", "stats", "prefix")
+OPS = ("generate", "cancel", "ingest", "release", "canary", "stats", "prefix")
 ADMIN_OPS = ("info", "verify")  # admin side channel only (DecodeStage.admin_ops)
 RECOMPUTE_REASONS = ("timeout", "mismatch", "resume", "transfer_failed", "local_prefill", "prefix_evicted")
 # the most block hashes one op=prefix answer carries (16 bytes each, hex in JSON: ~140 KiB)
@@ -203,6 +203,65 @@ class PacedReply:
         return self._cancelled
 
 
+class LiveReply:
+    """The Reply of a generate this server is working on, cancellable by request id (op=cancel): a client whose
+    requests share one gRPC stream (stages/grpc_decode.SharedStream) cannot cancel one of them through Triton,
+    which cancels whole streams. Leaves `live` at its final response or error."""
+
+    def __init__(self, inner: Reply, request_id: str, live: "LiveGenerates"):
+        self.inner, self.request_id, self.live = inner, request_id, live
+        self.cancel_asked = False
+
+    def tokens(self, token_ids, finish_reason=None, final=False, logprobs=None) -> None:
+        if final:
+            self.live.remove(self)
+        self.inner.tokens(token_ids, finish_reason, final, logprobs)
+
+    def json(self, obj: dict) -> None:
+        self.inner.json(obj)
+
+    def error(self, exc: BaseException) -> None:
+        self.live.remove(self)
+        self.inner.error(exc)
+
+    def cancelled(self) -> bool:
+        return self.cancel_asked or bool(self.inner.cancelled())
+
+
+class LiveGenerates:
+    """Request id -> the LiveReplies of the generates in progress under it (a handful: ids are unique per
+    request; bounded by the scheduler's queue and batch, as every entry is a sequence it holds)."""
+
+    def __init__(self):
+        self._by_id: Dict[str, List[LiveReply]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, inner: Reply, request_id: str) -> LiveReply:
+        r = LiveReply(inner, request_id, self)
+        with self._lock:
+            self._by_id.setdefault(request_id, []).append(r)
+        return r
+
+    def remove(self, r: LiveReply) -> None:
+        with self._lock:
+            rs = self._by_id.get(r.request_id)
+            if rs is not None and r in rs:
+                rs.remove(r)
+                if not rs:
+                    del self._by_id[r.request_id]
+
+    def cancel(self, request_id: str) -> int:
+        with self._lock:
+            rs = list(self._by_id.get(request_id, ()))
+        for r in rs:
+            r.cancel_asked = True
+        return len(rs)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._by_id.values())
+
+
 @dataclass
 class DecodeConfig:
     kv_timeout_s: float = 0.1      # HETSERVE_KV_TIMEOUT_MS: how long a generate waits for its KV
@@ -229,6 +288,7 @@ class DecodeStage:
         self.metrics = metrics or NoMetrics()
         self.ingest_token_ok = ingest_token_ok
         self.counters = {"recompute": 0, "ingested": 0, "local_prefill": 0, "prefix_hit_tokens": 0}
+        self.live = LiveGenerates()
 
     # ---- dispatch ------------------------------------------------------------------------------------------
     def handle_tensors(self, t: schema.Tensors, reply: Reply) -> None:
@@ -339,7 +399,20 @@ class DecodeStage:
             return
         if call.send_interval_s > 0:
             reply = PacedReply(reply, call.send_interval_s)
-        self.admit.submit(self._admit, call, prec, reply)
+        live = self.live.add(reply, rid)
+        try:
+            self.admit.submit(self._admit, call, prec, live)
+        except BaseException:
+            self.live.remove(live)
+            raise
+
+    def _op_cancel(self, call: DecodeCall, reply: Reply) -> None:
+        """End the generate(s) of request_id early, as a Triton cancellation would: each finishes with reason
+        "cancelled" at its next step (its KV freed); an id with none (already ended) is not an error."""
+        if not call.request_id:
+            raise RequestError("op=cancel needs 'request_id'")
+        self.live.cancel(call.request_id)
+        reply.tokens([], final=True)
 
     # ---- admin side channel (admin_channel.py; `hetserve doctor`) -------------------------------------------
     def admin_ops(self) -> Dict[str, Callable[[dict], dict]]:

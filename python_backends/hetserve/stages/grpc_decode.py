@@ -8,7 +8,7 @@ import queue
 import threading
 from typing import Any, Dict, Iterator, Optional, Sequence
 
-from .. import errors
+from .. import config, errors
 from ..sampling import TokenLogprobs
 from .types import DecodeFailed, DecodeRequest, TokenChunk
 
@@ -28,6 +28,21 @@ def stream_error(err) -> Exception:
     return DecodeFailed(f"{status + ': ' if status else ''}{msg}")
 
 
+def generate_request(req: DecodeRequest) -> dict:
+    """The stream_infer request (tritonclient.grpc.aio) of a DecodeRequest: op=generate on the `decode` model."""
+    from .. import schema
+    from ..client import build_inputs
+
+    ins = build_inputs(None, op="generate", request_id=req.request_id, input_ids=req.prompt,
+                       output_ids=req.output_ids or None, precision=req.precision,
+                       kv_sent=None if req.kv_sent else False, kv_key=req.kv_key,
+                       kv_shares=req.kv_shares if req.kv_shares > 1 else None,
+                       send_interval_ms=round(req.send_interval_s * 1e3) if req.send_interval_s > 0 else None,
+                       **dict(schema.sampling_arrays(req.params, choice=True)))
+    return {"model_name": "decode", "inputs": ins, "request_id": req.request_id,
+            "enable_empty_final_response": True}
+
+
 class StreamHub:
     """One asyncio loop thread per process carries every decode stream: one gRPC channel per decode server
     (tritonclient.grpc.aio, created on the loop), one HTTP/2 stream per request on it, responses handed to the
@@ -39,6 +54,7 @@ class StreamHub:
 
         self.loop = asyncio.new_event_loop()
         self._clients: dict = {}
+        self._shared: Dict[str, "SharedStream"] = {}  # url -> the live shared stream (on the loop thread only)
         self._thread = threading.Thread(target=self.loop.run_forever, name="decode-streams", daemon=True)
         self._thread.start()
 
@@ -51,10 +67,20 @@ class StreamHub:
             c = self._clients[url] = grpcaio.InferenceServerClient(url)
         return c
 
+    def shared(self, url: str) -> "SharedStream":
+        """The url's shared stream, a new one when there is none or the last one ended (on the loop thread)."""
+        s = self._shared.get(url)
+        if s is None or s.dead:
+            s = self._shared[url] = SharedStream(url, self)
+        return s
+
     def close(self) -> None:
         import asyncio
 
         async def shut():
+            for s in list(self._shared.values()):
+                s.close()
+            self._shared.clear()
             for c in list(self._clients.values()):
                 await c.close()
             self._clients.clear()
@@ -99,18 +125,7 @@ class GrpcDecodeStream:
     def start(self, req: DecodeRequest) -> None:
         import asyncio
 
-        from .. import schema
-        from ..client import build_inputs
-
-        ins = build_inputs(None, op="generate", request_id=req.request_id, input_ids=req.prompt,
-                           output_ids=req.output_ids or None, precision=req.precision,
-                           kv_sent=None if req.kv_sent else False, kv_key=req.kv_key,
-                           kv_shares=req.kv_shares if req.kv_shares > 1 else None,
-                           send_interval_ms=round(req.send_interval_s * 1e3) if req.send_interval_s > 0 else None,
-                           **dict(schema.sampling_arrays(req.params, choice=True)))
-        request = {"model_name": "decode", "inputs": ins, "request_id": req.request_id,
-                   "enable_empty_final_response": True}
-        self._task = asyncio.run_coroutine_threadsafe(self._run(request), self.hub.loop)
+        self._task = asyncio.run_coroutine_threadsafe(self._run(generate_request(req)), self.hub.loop)
 
     async def _run(self, request: dict) -> None:
         import asyncio
@@ -203,6 +218,147 @@ class GrpcDecodeStream:
             self.hub.loop.call_soon_threadsafe(it.cancel)
 
 
+# requests in flight on one shared stream; past this a request gets a stream of its own
+MAX_SHARED_REQUESTS = 4096
+
+
+class SharedStream:
+    """One long-lived bidi stream to a decode server's `decode` model carrying this process's requests to it:
+    each costs one message each way instead of a new HTTP/2 stream (grpc.aio's per-stream set-up and half-close
+    were ~40% of the llm stub's GIL time: loadtest/README.md, issue 27). Lives on the StreamHub's loop.
+
+    Lifecycle: made at the first request for its url (StreamHub.shared); ends when the server ends it, the call
+    fails, or the hub closes; the next request then makes a new one. Responses are routed to their request by
+    the Triton request id (the decode request's id); a request ends at its final response or its typed error.
+    To end one early the client sends op=cancel on the stream (Triton cancels only whole streams).
+    Errors on a gRPC stream come without a request id (tritonclient yields only the message): the one that
+    follows each typed error (send_error sends the error as data, then the Triton error) is expected and dropped;
+    any other, like the call failing, fails every request on the stream with that error (DecodeFailed: the
+    orchestrator migrates them)."""
+
+    def __init__(self, url: str, hub: "StreamHub"):
+        import asyncio
+
+        self.url, self.hub = url, hub
+        self.out: "asyncio.Queue" = asyncio.Queue()  # requests to write; None ends the stream (bounded: live)
+        self.live: Dict[str, "SharedStreamRequest"] = {}
+        self.expected_errors = 0
+        self.dead = False
+        self._task = asyncio.ensure_future(self._run())
+
+    def send(self, request: dict) -> None:
+        self.out.put_nowait(request)
+
+    def close(self) -> None:
+        self.out.put_nowait(None)
+        self._task.cancel()
+
+    async def _requests(self):
+        while True:
+            r = await self.out.get()
+            if r is None:
+                return
+            yield r
+
+    async def _run(self) -> None:
+        import asyncio
+
+        import grpc
+        from tritonclient.grpc import InferResult
+        from tritonclient.utils import InferenceServerException
+
+        why: Any = _CallFailed("StatusCode.UNAVAILABLE", "the decode server ended the shared stream")
+        it: Any = None
+        try:
+            it = self.hub.client(self.url).stream_infer(self._requests())
+            # the raw responses (tritonclient's iterator drops an error response's request id, which Triton sets)
+            async for response in it._grpc_call:
+                rid = response.infer_response.id
+                req = self.live.get(rid) if rid else None
+                if response.error_message:
+                    err = InferenceServerException(msg=response.error_message)
+                    if req is not None:
+                        req._put((None, err))
+                        del self.live[rid]
+                    elif self.expected_errors > 0:
+                        self.expected_errors -= 1
+                    elif not rid:  # whose it is cannot be known: it ends every request on this stream
+                        why = err
+                        return
+                    continue
+                result = InferResult(response.infer_response)
+                data = result.as_numpy(errors.ERROR_OUTPUT)
+                typed = data is not None and data.size > 0
+                if typed:
+                    self.expected_errors += 1  # its Triton error follows (without an id in some versions)
+                if req is None:
+                    continue  # a request closed early (its last responses), or op=cancel's own answer
+                req._put((result, None))
+                fp = response.infer_response.parameters.get("triton_final_response")
+                if typed or (fp is not None and fp.bool_param):
+                    del self.live[rid]
+        except grpc.RpcError as e:
+            why = _CallFailed(f"StatusCode.{e.code().name}", str(e.details()))
+        except asyncio.CancelledError:
+            why = _CallFailed("StatusCode.CANCELLED", "the decode stream hub closed")
+        except Exception as e:  # the stream could not be made (channel, client): the call failed
+            why = _CallFailed("StatusCode.UNKNOWN", f"{type(e).__name__}: {e}")
+        finally:
+            self.dead = True
+            if it is not None:
+                it.cancel()  # the server then cancels what is still running on it
+            if self.live:
+                log.warning("shared decode stream to %s ended (%s); failing its %d requests: %s", self.url,
+                            stream_error(why), len(self.live), sorted(self.live)[:8])
+            for req in self.live.values():
+                req._put((None, why))
+            self.live.clear()
+
+
+class SharedStreamRequest(GrpcDecodeStream):
+    """One request carried by its server's SharedStream (the GrpcDecodeStream interface; a request whose id is
+    already in flight there, or past MAX_SHARED_REQUESTS, gets a stream of its own instead)."""
+
+    def __init__(self, url: str, hub: StreamHub):
+        super().__init__(url, hub)
+        self._stream: Optional[SharedStream] = None
+        self._rid: Optional[str] = None
+
+    def start(self, req: DecodeRequest) -> None:
+        import asyncio
+
+        request = generate_request(req)
+        rid = self._rid = req.request_id
+
+        def go() -> None:  # on the loop: before any close() of this request (call_soon_threadsafe is FIFO)
+            s = self.hub.shared(self.url)
+            if rid in s.live or len(s.live) >= MAX_SHARED_REQUESTS:
+                self._task = asyncio.ensure_future(self._run(request))
+                return
+            s.live[rid] = self
+            self._stream = s
+            s.send(request)
+        self.hub.loop.call_soon_threadsafe(go)
+
+    def close(self, cancel: bool = False) -> None:
+        self._closed = True
+        rid = self._rid
+
+        def go() -> None:
+            s = self._stream
+            if s is None:  # a stream of its own, or never started
+                GrpcDecodeStream.close(self, cancel)
+                return
+            if rid is not None and s.live.get(rid) is self:  # still running there: stop routing it, end it if asked
+                del s.live[rid]
+                if cancel and not s.dead:
+                    from ..client import build_inputs
+
+                    s.send({"model_name": "decode", "request_id": "",
+                            "inputs": build_inputs(None, op="cancel", request_id=rid)})
+        self.hub.loop.call_soon_threadsafe(go)
+
+
 class GrpcDecodeClient:
     # releases run on their own short-lived threads; past this many at once a release is skipped (the
     # decode server's pending-KV TTL frees the KV anyway)
@@ -213,6 +369,8 @@ class GrpcDecodeClient:
         self.hub = StreamHub()
 
     def open(self, url: str) -> GrpcDecodeStream:
+        if config.get("HETSERVE_DECODE_SHARED_STREAM"):
+            return SharedStreamRequest(url, self.hub)
         return GrpcDecodeStream(url, self.hub)
 
     def close(self) -> None:
