@@ -340,6 +340,7 @@ def cmd_config(args) -> int:
 
 
 def main(argv=None) -> int:
+    from .engines.build_plan import QDQ_CHOICES
     from .logs import setup
 
     setup("cli")
@@ -350,7 +351,7 @@ def main(argv=None) -> int:
     b.add_argument("--engine-dir", "--out", dest="engine_dir")
     b.add_argument("--tensorrt", action="store_true", default=None, help="also build TensorRT engines (GPU)")
     b.add_argument("--force", action="store_true")
-    b.add_argument("--qdq", choices=["auto", "yes", "no"], default="auto",
+    b.add_argument("--qdq", choices=QDQ_CHOICES, default="auto",
                    help="the QDQ INT8/FP8 graphs TensorRT builds from (auto: small models, or with TensorRT)")
     b.set_defaults(fn=cmd_build)
     u = sub.add_parser("up", help="build if needed, start prefill + decode servers, stream an answer")

@@ -137,11 +137,11 @@ _VARS: List[Var] = [
         min=0, max=19),
     Var("HETSERVE_ROUTER_REFRESH_S", float, 2.0, f"how often the router reads each decode server's block list, {_S}",
         min=0.05),
-    # a conversation's next turn often comes at once (agents, tool calls) and may reach another prefill replica,
-    # whose view is up to a refresh old: it asks the decode servers rather than prefill the history again
     # one gRPC stream per decode server carries every request of an llm process (op=cancel ends one early)
     Var("HETSERVE_DECODE_SHARED_STREAM", bool, True, "llm -> decode requests share one gRPC stream per decode "
         "server (0: a stream each)"),
+    # a conversation's next turn often comes at once (agents, tool calls) and may reach another prefill replica,
+    # whose view is up to a refresh old: it asks the decode servers rather than prefill the history again
     Var("HETSERVE_ROUTER_LOOKUP_MS", float, 100.0, "on a miss, ask the decode servers which of the prompt's blocks "
         "they hold, waiting at most this; 0: never", min=0, max=10000),
     # ---- KV transfer ----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ LARGE_FP32_BYTES = 2 * GiB
 PREFILL_WEIGHTS = ("auto", "fp32", "exact16")
 QDQ_CHOICES = ("auto", "yes", "no")
 # The QDQ graphs (TensorRT's input for decode_int8_trt / decode_fp8_trt; ONNX Runtime runs them slowly on a CPU).
-# At 1B they and their calibration and gate rows were 125 s of a 405 s build (loadtest/README.md).
+# At 1B they and their calibration and gate rows were 132 s of a 405 s build (loadtest/README.md).
 QDQ_ENGINES = ("decode_int8_qdq", "decode_fp8_qdq")
 
 # Elementwise conversions of a weight matrix (quantization) run over row chunks of about this many bytes of

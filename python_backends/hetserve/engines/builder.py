@@ -20,7 +20,7 @@ from typing import Callable, Optional, Tuple
 
 from .. import config
 from ..model.checkpoint import load_checkpoint
-from .build_plan import BuildPlan, GiB, check_memory, mem_available, plan_build
+from .build_plan import QDQ_ENGINES, BuildPlan, GiB, check_memory, mem_available, plan_build
 from .manifest import KV_LAYOUT, MANIFEST_VERSION, compat_hash, read_manifest, write_manifest
 
 # 11: graphs written tensor by tensor by codecs (onnx_weights.py), 16-bit exact prefill weights for large models,
@@ -222,7 +222,7 @@ def _build_into(out: Path, ckpt, plan: BuildPlan, key: dict, chash: str, use_trt
     if plan.qdq:
         engines.update(_build_qdq(ckpt, fp32, bool(ref.get("compact")), out, log, t0))
     else:
-        log("  QDQ graphs skipped (no TensorRT in this build; `--qdq yes` builds them)")
+        log(f"  {plan.unbuilt[QDQ_ENGINES[0]]['reason']}")
     native, native_unbuilt = _build_native(ckpt, out, log, t0)
     _trim_heap()
     engines.update(native)

@@ -58,12 +58,6 @@ def token_matrix(tokenizer, texts: Sequence[str] = EVAL_TEXTS, n_tokens: int = N
     return np.asarray(rows, dtype=np.int64)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
 COMPARE_THREADS_MAX = 4
 
 

@@ -28,6 +28,18 @@ def stream_error(err) -> Exception:
     return DecodeFailed(f"{status + ': ' if status else ''}{msg}")
 
 
+def _is_final(resp) -> bool:
+    """A Triton stream response (ModelInferResponse) flagged the request's last."""
+    fp = resp.parameters.get("triton_final_response")
+    return bool(fp is not None and fp.bool_param)
+
+
+def _typed_error(result) -> Optional[bytes]:
+    """The decode model's typed error carried as data in a response (send_error), or None."""
+    data = result.as_numpy(errors.ERROR_OUTPUT)
+    return bytes(data.reshape(-1)[0]) if data is not None and data.size else None
+
+
 def generate_request(req: DecodeRequest) -> dict:
     """The stream_infer request (tritonclient.grpc.aio) of a DecodeRequest: op=generate on the `decode` model."""
     from .. import schema
@@ -145,11 +157,8 @@ class GrpcDecodeStream:
                 return
             async for result, error in it:
                 self._put((result, error))
-                if error is not None:
+                if error is not None or _is_final(result.get_response()):
                     return  # an error response ends the request
-                fp = result.get_response().parameters.get("triton_final_response")
-                if fp is not None and fp.bool_param:
-                    return
         except grpc.RpcError as e:
             self._put((None, _CallFailed(f"StatusCode.{e.code().name}", str(e.details()))))
         except asyncio.CancelledError:
@@ -193,12 +202,10 @@ class GrpcDecodeStream:
     def _chunk(result, err) -> TokenChunk:
         if err is not None:
             raise stream_error(err)
-        data = result.as_numpy(errors.ERROR_OUTPUT)
-        if data is not None and data.size:  # the decode model's typed error (its Triton error follows)
-            raise errors.from_wire(bytes(data.reshape(-1)[0]))
-        resp = result.get_response()
-        final = resp.parameters.get("triton_final_response")
-        final = bool(final and final.bool_param)
+        typed = _typed_error(result)
+        if typed is not None:  # the decode model's typed error (its Triton error follows)
+            raise errors.from_wire(typed)
+        final = _is_final(result.get_response())
         toks = result.as_numpy("token_ids")
         fr = result.as_numpy("finish_reason")
         reason = fr.reshape(-1)[0].decode() if fr is not None and fr.size else None
@@ -231,10 +238,11 @@ class SharedStream:
     fails, or the hub closes; the next request then makes a new one. Responses are routed to their request by
     the Triton request id (the decode request's id); a request ends at its final response or its typed error.
     To end one early the client sends op=cancel on the stream (Triton cancels only whole streams).
-    Errors on a gRPC stream come without a request id (tritonclient yields only the message): the one that
-    follows each typed error (send_error sends the error as data, then the Triton error) is expected and dropped;
-    any other, like the call failing, fails every request on the stream with that error (DecodeFailed: the
-    orchestrator migrates them)."""
+    An error response goes to the request whose id it carries (the raw responses are read: tritonclient's
+    iterator drops the id). The Triton error that follows each typed error (send_error sends the error as data,
+    then the Triton error) comes after that request left the routing table and is dropped; an error without an
+    id otherwise, or the call failing, fails every request on the stream with it (DecodeFailed: the orchestrator
+    migrates them)."""
 
     def __init__(self, url: str, hub: "StreamHub"):
         import asyncio
@@ -287,15 +295,13 @@ class SharedStream:
                         return
                     continue
                 result = InferResult(response.infer_response)
-                data = result.as_numpy(errors.ERROR_OUTPUT)
-                typed = data is not None and data.size > 0
+                typed = _typed_error(result) is not None
                 if typed:
                     self.expected_errors += 1  # its Triton error follows (without an id in some versions)
                 if req is None:
                     continue  # a request closed early (its last responses), or op=cancel's own answer
                 req._put((result, None))
-                fp = response.infer_response.parameters.get("triton_final_response")
-                if typed or (fp is not None and fp.bool_param):
+                if typed or _is_final(response.infer_response):
                     del self.live[rid]
         except grpc.RpcError as e:
             why = _CallFailed(f"StatusCode.{e.code().name}", str(e.details()))
