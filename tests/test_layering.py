@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "python_backends" / "hetserve"
 # lowest first; a module may import its own layer and the ones before it. Everything not listed (triton/,
 # openai_api/, cli, server, cluster, doctor, planner/, ...) is the top: the adapters and tools.
 LAYERS = [
-    ("base", ["errors", "config", "faults", "retry", "bounded", "logs", "admin_key"]),
+    ("base", ["errors", "config", "faults", "retry", "bounded", "logs", "admin_key", "grpc_streams"]),
     ("model", ["sampling", "model", "tokenizer", "schema", "structured"]),
     ("engines and KV", ["engines", "kv"]),
     ("serving logic", ["scheduler", "stages", "reliability", "client", "admin_channel", "diagnostics"]),

@@ -243,9 +243,10 @@ def test_nixl_pull_delivers_the_same_bytes(nixl_receiver):
         s.close()
 
 
-def test_nixl_full_staging_falls_back_to_grpc_visibly(nixl_receiver):
+def test_nixl_full_staging_falls_back_to_grpc_visibly(nixl_receiver, monkeypatch):
     from hetserve.kv.transport.grpc_inline import GrpcReceiver
 
+    monkeypatch.setenv("HETSERVE_KV_DIRECT", "0")  # the grpc fallback then goes through kv_ingest (the stand-in)
     falls = []
     ingest = _LoopbackIngest({"nixl": nixl_receiver, "grpc": GrpcReceiver()})
     s = _nixl_sender(ingest, region_bytes=4096, on_fallback=lambda *a: falls.append(a))

@@ -91,6 +91,45 @@ def test_same_greedy_tokens_over_grpc_shm_and_nixl(servers):
     assert _metric(prefill.metrics_port, "hetserve_kv_transport_fallbacks_total") == falls
 
 
+def test_grpc_and_shm_kv_go_straight_to_decode_and_nixl_through_kv_ingest(servers, engine_dir):
+    """HETSERVE_KV_DIRECT (default on): grpc and shm KV reach the decode model itself (op=ingest on the prefill
+    server's shared stream to it): kv_ingest serves none of those transfers, and decode uses the KV (no
+    recompute); nixl's pull still goes through kv_ingest. A KV the decode model refuses is typed (PeerRefused)
+    and counted there under its transport."""
+    from hetserve.kv.transport import KVSender, PeerRefused
+
+    prefill, decode = servers
+
+    def served(model):
+        return _metric(decode.metrics_port, "nv_inference_request_success", model=model)
+
+    def recomputed():
+        return _metric(decode.metrics_port, "hetserve_kv_recompute_total")
+
+    for tr in LIVE:  # negotiation and first-use set-up out of the way
+        generate(prefill.grpc_url, "Hi", transport=tr, max_tokens=2, timeout_s=120)
+    got = {}
+    for tr in LIVE:
+        ingest0, rec0 = served("kv_ingest"), recomputed()
+        got[tr] = generate(prefill.grpc_url, PROMPTS[1], transport=tr, kv_dtype="fp32", decode_precision="fp32",
+                           max_tokens=12, ignore_eos=True, timeout_s=120).token_ids
+        assert recomputed() == rec0, tr  # the transferred KV was used
+        assert served("kv_ingest") - ingest0 == (1 if tr == "nixl" else 0), tr
+    assert got["grpc"] == got["shm"] == got["nixl"]
+
+    key = dict(transport="shm", reason="hash_mismatch")
+    before, ingest0 = _metric(decode.metrics_port, "hetserve_kv_transfer_failures_total", **key), served("kv_ingest")
+    s = KVSender()
+    try:
+        with pytest.raises(PeerRefused, match="model hash mismatch"):
+            s.send(decode.grpc_url, "shm", "bad-direct-1", *_probe_kv(engine_dir, compat="0" * 32))
+        assert s.transport("shm")._regions[decode.grpc_url].alloc.free_bytes() == s.transport("shm").region_bytes
+    finally:
+        s.close()
+    assert _metric(decode.metrics_port, "hetserve_kv_transfer_failures_total", **key) == before + 1
+    assert served("kv_ingest") == ingest0
+
+
 def test_cli_generate_transport_nixl(servers):
     prefill, _ = servers
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "python_backends")}

@@ -151,6 +151,10 @@ _VARS: List[Var] = [
     Var("HETSERVE_KV_TRANSPORT", str, "grpc", "default KV transport prefill -> decode"),
     Var("HETSERVE_KV_PREPARE", str, "default", "transports started with the server: default (the KV_TRANSPORT), "
         "all, none, or a list"),
+    # the kv_ingest hop (its own Triton request, then a BLS request into decode) was ~1/7 of the stack's CPU per
+    # request (loadtest/stack_cpu.py, issue 27)
+    Var("HETSERVE_KV_DIRECT", bool, True, "grpc/shm KV goes straight to the decode model on a shared stream "
+        "(0: through kv_ingest)"),
     Var("HETSERVE_KV_DTYPE", str, "fp32", "default KV wire dtype", choices=("fp32", "fp16", "int8", "fp8")),
     Var("HETSERVE_SHM_BYTES", int, 256 << 20, "size of the shm transport region, bytes", min=1),
     Var("HETSERVE_NIXL_BYTES", int, 256 << 20, "registered staging buffer of the nixl sender, bytes", min=1),

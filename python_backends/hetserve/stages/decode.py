@@ -1,15 +1,15 @@
 """The decode stage (what the `decode` model runs): op dispatch, the KV rendezvous and admission into the
 continuous-batching scheduler.
 
-op=generate : join the running batch; stream token ids. The KV normally arrives first (op=ingest, from
-              kv_ingest) and waits in PendingKV; when it has not come within the receive timeout, or the
-              orchestrator said it will not come (kv_sent=false), or the request resumes after a migration, the
-              KV is restored from a snapshot and/or recomputed from prompt + tokens so far. Without output_ids
-              (and kv_sent=false) the prompt is prefilled here and the first token sampled here: the router's
-              conditional disaggregation (stages/router.py), for a prompt whose uncached suffix is short.
-              Recomputes start from the longest prefix in this server's prefix cache, which holds the KV of the
-              sequences that ended here (a conversation's history).
-op=ingest   : store a transferred KV under request_id (verified here unless kv_ingest proves it verified it).
+op=generate : join the running batch; stream token ids. The KV normally arrives first (op=ingest, straight
+              from the prefill server or through kv_ingest) and waits in PendingKV; when it has not come within
+              the receive timeout, or the orchestrator said it will not come (kv_sent=false), or the request
+              resumes after a migration, the KV is restored from a snapshot and/or recomputed from prompt +
+              tokens so far. Without output_ids (and kv_sent=false) the prompt is prefilled here and the first
+              token sampled here: the router's conditional disaggregation (stages/router.py), for a prompt whose
+              uncached suffix is short. Recomputes start from the longest prefix in this server's prefix cache,
+              which holds the KV of the sequences that ended here (a conversation's history).
+op=ingest   : verify and store a transferred KV under request_id (kv_ingest, which verified it, proves so).
 op=release  : the orchestrator will not decode this request: drop its pending KV.
 op=canary   : health check, one real engine step (the orchestrator's pool).  op=stats: counters (autoscaler).
 op=prefix   : the prefix cache's block hashes, most recent first (what the orchestrator's router reads); with
@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from .. import errors, schema
+from ..diagnostics import PROBE_PREFIX
 from ..errors import INTERNAL, Overloaded, RequestError, kind_of_exception
 from ..kv import wire
 from ..sampling import MAX_CHOICES, TokenLogprobs, is_stop_token
@@ -37,6 +38,8 @@ from .types import DecodeCall, Metrics, NoMetrics, Reply
 log = logging.getLogger("hetserve.decode")
 
 PENDING_TTL_S = 120.0
+# {transport, reason}: KV refused here (triton/metrics.py; kv_ingest counts the ones it refuses)
+TRANSFER_FAILURES_METRIC = "hetserve_kv_transfer_failures_total"
 OPS = ("generate", "cancel", "ingest", "release", "canary", "stats", "prefix")
 ADMIN_OPS = ("info", "verify")  # admin side channel only (DecodeStage.admin_ops)
 RECOMPUTE_REASONS = ("timeout", "mismatch", "resume", "transfer_failed", "local_prefill", "prefix_evicted")
@@ -276,9 +279,10 @@ class DecodeStage:
 
     def __init__(self, engines: dict, cfg, compat: str, sched, admit, pending: PendingKV,
                  config: Optional[DecodeConfig] = None, snapshots=None, metrics: Optional[Metrics] = None,
-                 ingest_token_ok: Callable[[str], bool] = lambda token: False, prefix=None):
+                 ingest_token_ok: Callable[[str], bool] = lambda token: False, prefix=None,
+                 classify_failure: Callable[[BaseException], str] = lambda e: "refused"):
         """prefix: a kv.prefix.PrefixCache (seeded with the build's compat hash) or None; the scheduler fills it
-        with the KV of the sequences that end here."""
+        with the KV of the sequences that end here. classify_failure: a refused KV's `reason` label."""
         self.engines, self.cfg, self.compat, self.sched, self.admit = engines, cfg, compat, sched, admit
         self.pending, self.snapshots = pending, snapshots
         self.prefix = prefix
@@ -287,14 +291,17 @@ class DecodeStage:
         self.config = config or DecodeConfig()
         self.metrics = metrics or NoMetrics()
         self.ingest_token_ok = ingest_token_ok
+        self.classify_failure = classify_failure
         self.counters = {"recompute": 0, "ingested": 0, "local_prefill": 0, "prefix_hit_tokens": 0}
         self.live = LiveGenerates()
 
     # ---- dispatch ------------------------------------------------------------------------------------------
-    def handle_tensors(self, t: schema.Tensors, reply: Reply) -> None:
-        """handle() for the raw inputs; inputs that do not parse are refused through `reply`."""
+    def handle_tensors(self, t: schema.Tensors, reply: Reply, transport: str = "grpc") -> None:
+        """handle() for the raw inputs; inputs that do not parse are refused through `reply`. `transport`: the
+        one an op=ingest came over (the sender's request parameter)."""
         try:
             call = call_from_tensors(t)
+            call.transport = transport
         except Exception as e:  # bad shape, UTF-8, sampling bounds: drop KV pushed for a refused generate
             rid = t.get("request_id")
             if rid is not None and rid.size == 1:
@@ -334,20 +341,27 @@ class DecodeStage:
         reply.tokens([int(np.argmax(logits))], final=True)
 
     def _op_ingest(self, call: DecodeCall, reply: Reply) -> None:
-        """KV from kv_ingest (verified there; it proves it with the ingest token) or from anyone else, which is
-        verified here: compat hash, layout, shape, context bound, size, checksum."""
+        """KV from kv_ingest (verified there; it proves it with the ingest token) or straight from a prefill
+        server's sender (kv/transport/control.py, HETSERVE_KV_DIRECT) or anyone else, verified here: compat hash,
+        layout, shape, context bound, size, HMAC tag. A refusal is counted as a failed transfer over
+        call.transport. Link probes (diagnostics.PROBE_PREFIX) are verified, then discarded."""
         rid = call.request_id
         if not rid or call.kv_header is None or call.kv_payload is None:
             raise RequestError("op=ingest needs 'request_id', 'kv_header' and 'kv_payload'")
-        hdr = wire.KVHeader.from_json(call.kv_header)
         payload = np.ascontiguousarray(call.kv_payload.reshape(-1), dtype=np.uint8)
-        if not self.ingest_token_ok(call.ingest_token):
-            schema.check_kv_tokens(hdr, self.cfg.max_position)
-            try:
+        try:
+            hdr = wire.KVHeader.from_json(call.kv_header)
+            if not self.ingest_token_ok(call.ingest_token):
+                schema.check_kv_tokens(hdr, self.cfg.max_position)
                 wire.verify(hdr, payload, self.compat, (self.cfg.num_layers, self.cfg.num_kv_heads,
                                                         self.cfg.head_dim))
-            except wire.KVWireError as e:
-                raise RequestError(f"KV refused for request {rid}: {e}") from None
+        except (wire.KVWireError, RequestError) as e:
+            if not rid.startswith(PROBE_PREFIX):  # a deliberate doctor probe is not a transfer failure
+                self.metrics.inc(TRANSFER_FAILURES_METRIC, transport=call.transport, reason=self.classify_failure(e))
+            raise RequestError(f"KV refused for request {rid}: {e}") from None
+        if rid.startswith(PROBE_PREFIX):
+            reply.tokens([], final=True)
+            return
         k, v = wire.decode(hdr, payload)
         self.pending.put(rid, k, v, hdr.start)
         self.counters["ingested"] += 1

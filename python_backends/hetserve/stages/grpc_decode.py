@@ -9,6 +9,7 @@ import threading
 from typing import Any, Dict, Iterator, Optional, Sequence
 
 from .. import config, errors
+from ..grpc_streams import MAX_SHARED_REQUESTS, CallFailed, SharedStream, StreamHub, describe, is_final, typed_error
 from ..sampling import TokenLogprobs
 from .types import DecodeFailed, DecodeRequest, TokenChunk
 
@@ -23,21 +24,7 @@ def stream_error(err) -> Exception:
     """A stream error that came without the decode model's typed error before it (send_error sends that first,
     and responses() raises it): the call itself failed (server gone, stream broken, deadline) or Triton refused
     it (model not loaded): the server cannot serve it, so migrate."""
-    status = str(getattr(err, "status", lambda: "")() or "")
-    msg = str(getattr(err, "message", lambda: str(err))() or err)
-    return DecodeFailed(f"{status + ': ' if status else ''}{msg}")
-
-
-def _is_final(resp) -> bool:
-    """A Triton stream response (ModelInferResponse) flagged the request's last."""
-    fp = resp.parameters.get("triton_final_response")
-    return bool(fp is not None and fp.bool_param)
-
-
-def _typed_error(result) -> Optional[bytes]:
-    """The decode model's typed error carried as data in a response (send_error), or None."""
-    data = result.as_numpy(errors.ERROR_OUTPUT)
-    return bytes(data.reshape(-1)[0]) if data is not None and data.size else None
+    return DecodeFailed(describe(err))
 
 
 def generate_request(req: DecodeRequest) -> dict:
@@ -55,69 +42,6 @@ def generate_request(req: DecodeRequest) -> dict:
             "enable_empty_final_response": True}
 
 
-class StreamHub:
-    """One asyncio loop thread per process carries every decode stream: one gRPC channel per decode server
-    (tritonclient.grpc.aio, created on the loop), one HTTP/2 stream per request on it, responses handed to the
-    requesting thread through its bounded queue. The blocking client made a channel, a client and a reader thread
-    per request (13% of the llm stub's samples, loadtest/stack_cpu.py --profile)."""
-
-    def __init__(self):
-        import asyncio
-
-        self.loop = asyncio.new_event_loop()
-        self._clients: dict = {}
-        self._shared: Dict[str, "SharedStream"] = {}  # url -> the live shared stream (on the loop thread only)
-        self._thread = threading.Thread(target=self.loop.run_forever, name="decode-streams", daemon=True)
-        self._thread.start()
-
-    def client(self, url: str):
-        """The url's aio client (on the loop thread only)."""
-        c = self._clients.get(url)
-        if c is None:
-            import tritonclient.grpc.aio as grpcaio
-
-            c = self._clients[url] = grpcaio.InferenceServerClient(url)
-        return c
-
-    def shared(self, url: str) -> "SharedStream":
-        """The url's shared stream, a new one when there is none or the last one ended (on the loop thread)."""
-        s = self._shared.get(url)
-        if s is None or s.dead:
-            s = self._shared[url] = SharedStream(url, self)
-        return s
-
-    def close(self) -> None:
-        import asyncio
-
-        async def shut():
-            for s in list(self._shared.values()):
-                s.close()
-            self._shared.clear()
-            for c in list(self._clients.values()):
-                await c.close()
-            self._clients.clear()
-
-        try:
-            asyncio.run_coroutine_threadsafe(shut(), self.loop).result(timeout=5)
-        except Exception as e:  # a channel that will not close: the process is going away anyway
-            log.info("decode stream hub close: %s", e)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
-
-
-class _CallFailed:
-    """What a failed gRPC call puts into a stream's queue in place of an error object (status + message)."""
-
-    def __init__(self, status: str, msg: str):
-        self._status, self._msg = status, msg
-
-    def status(self) -> str:
-        return self._status
-
-    def message(self) -> str:
-        return self._msg
-
-
 class GrpcDecodeStream:
     """One request's stream to the decode server's `decode` model, carried by the StreamHub's loop."""
 
@@ -128,7 +52,7 @@ class GrpcDecodeStream:
         self._task: Any = None
         self._closed = False
 
-    def _put(self, item) -> None:
+    def put(self, item) -> None:
         try:
             self.q.put_nowait(item)
         except queue.Full:  # the consumer is gone or stuck: drop, it fails on its step timeout
@@ -156,15 +80,15 @@ class GrpcDecodeStream:
                 it.cancel()
                 return
             async for result, error in it:
-                self._put((result, error))
-                if error is not None or _is_final(result.get_response()):
+                self.put((result, error))
+                if error is not None or is_final(result.get_response()):
                     return  # an error response ends the request
         except grpc.RpcError as e:
-            self._put((None, _CallFailed(f"StatusCode.{e.code().name}", str(e.details()))))
+            self.put((None, CallFailed(f"StatusCode.{e.code().name}", str(e.details()))))
         except asyncio.CancelledError:
             pass
         except Exception as e:  # the stream could not be made (channel, client): the call failed
-            self._put((None, _CallFailed("StatusCode.UNKNOWN", f"{type(e).__name__}: {e}")))
+            self.put((None, CallFailed("StatusCode.UNKNOWN", f"{type(e).__name__}: {e}")))
         finally:
             done.set()
 
@@ -202,10 +126,10 @@ class GrpcDecodeStream:
     def _chunk(result, err) -> TokenChunk:
         if err is not None:
             raise stream_error(err)
-        typed = _typed_error(result)
+        typed = typed_error(result)
         if typed is not None:  # the decode model's typed error (its Triton error follows)
             raise errors.from_wire(typed)
-        final = _is_final(result.get_response())
+        final = is_final(result.get_response())
         toks = result.as_numpy("token_ids")
         fr = result.as_numpy("finish_reason")
         reason = fr.reshape(-1)[0].decode() if fr is not None and fr.size else None
@@ -223,102 +147,6 @@ class GrpcDecodeStream:
         it = self._it
         if it is not None:
             self.hub.loop.call_soon_threadsafe(it.cancel)
-
-
-# requests in flight on one shared stream; past this a request gets a stream of its own
-MAX_SHARED_REQUESTS = 4096
-
-
-class SharedStream:
-    """One long-lived bidi stream to a decode server's `decode` model carrying this process's requests to it:
-    each costs one message each way instead of a new HTTP/2 stream (grpc.aio's per-stream set-up and half-close
-    were ~40% of the llm stub's GIL time: loadtest/README.md, issue 27). Lives on the StreamHub's loop.
-
-    Lifecycle: made at the first request for its url (StreamHub.shared); ends when the server ends it, the call
-    fails, or the hub closes; the next request then makes a new one. Responses are routed to their request by
-    the Triton request id (the decode request's id); a request ends at its final response or its typed error.
-    To end one early the client sends op=cancel on the stream (Triton cancels only whole streams).
-    An error response goes to the request whose id it carries (the raw responses are read: tritonclient's
-    iterator drops the id). The Triton error that follows each typed error (send_error sends the error as data,
-    then the Triton error) comes after that request left the routing table and is dropped; an error without an
-    id otherwise, or the call failing, fails every request on the stream with it (DecodeFailed: the orchestrator
-    migrates them)."""
-
-    def __init__(self, url: str, hub: "StreamHub"):
-        import asyncio
-
-        self.url, self.hub = url, hub
-        self.out: "asyncio.Queue" = asyncio.Queue()  # requests to write; None ends the stream (bounded: live)
-        self.live: Dict[str, "SharedStreamRequest"] = {}
-        self.expected_errors = 0
-        self.dead = False
-        self._task = asyncio.ensure_future(self._run())
-
-    def send(self, request: dict) -> None:
-        self.out.put_nowait(request)
-
-    def close(self) -> None:
-        self.out.put_nowait(None)
-        self._task.cancel()
-
-    async def _requests(self):
-        while True:
-            r = await self.out.get()
-            if r is None:
-                return
-            yield r
-
-    async def _run(self) -> None:
-        import asyncio
-
-        import grpc
-        from tritonclient.grpc import InferResult
-        from tritonclient.utils import InferenceServerException
-
-        why: Any = _CallFailed("StatusCode.UNAVAILABLE", "the decode server ended the shared stream")
-        it: Any = None
-        try:
-            it = self.hub.client(self.url).stream_infer(self._requests())
-            # the raw responses (tritonclient's iterator drops an error response's request id, which Triton sets)
-            async for response in it._grpc_call:
-                rid = response.infer_response.id
-                req = self.live.get(rid) if rid else None
-                if response.error_message:
-                    err = InferenceServerException(msg=response.error_message)
-                    if req is not None:
-                        req._put((None, err))
-                        del self.live[rid]
-                    elif self.expected_errors > 0:
-                        self.expected_errors -= 1
-                    elif not rid:  # whose it is cannot be known: it ends every request on this stream
-                        why = err
-                        return
-                    continue
-                result = InferResult(response.infer_response)
-                typed = _typed_error(result) is not None
-                if typed:
-                    self.expected_errors += 1  # its Triton error follows (without an id in some versions)
-                if req is None:
-                    continue  # a request closed early (its last responses), or op=cancel's own answer
-                req._put((result, None))
-                if typed or _is_final(response.infer_response):
-                    del self.live[rid]
-        except grpc.RpcError as e:
-            why = _CallFailed(f"StatusCode.{e.code().name}", str(e.details()))
-        except asyncio.CancelledError:
-            why = _CallFailed("StatusCode.CANCELLED", "the decode stream hub closed")
-        except Exception as e:  # the stream could not be made (channel, client): the call failed
-            why = _CallFailed("StatusCode.UNKNOWN", f"{type(e).__name__}: {e}")
-        finally:
-            self.dead = True
-            if it is not None:
-                it.cancel()  # the server then cancels what is still running on it
-            if self.live:
-                log.warning("shared decode stream to %s ended (%s); failing its %d requests: %s", self.url,
-                            stream_error(why), len(self.live), sorted(self.live)[:8])
-            for req in self.live.values():
-                req._put((None, why))
-            self.live.clear()
 
 
 class SharedStreamRequest(GrpcDecodeStream):

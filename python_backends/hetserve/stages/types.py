@@ -175,6 +175,7 @@ class DecodeCall:
     kv_header: Optional[bytes] = None
     kv_payload: Optional[np.ndarray] = None
     ingest_token: str = ""
+    transport: str = "grpc"           # op=ingest: the KV transport it came over (metric label)
 
 
 class Reply(Protocol):

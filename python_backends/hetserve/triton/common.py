@@ -120,6 +120,21 @@ def request_parameters(request) -> dict:
     return p
 
 
+def kv_transport_of(request) -> str:
+    """The KV transport a sender named in its request parameter (kv/transport/control.TRANSPORT_PARAM); 'grpc'
+    for senders that name none (plain tritonclient calls). RequestError for an unknown one."""
+    from ..kv.transport import NAMES
+    from ..kv.transport.control import TRANSPORT_PARAM
+
+    try:
+        t = request_parameters(request).get(TRANSPORT_PARAM, "grpc")
+    except ValueError:
+        raise RequestError("malformed request parameters") from None
+    if t not in NAMES:
+        raise RequestError(f"unknown KV transport {t!r} in parameter {TRANSPORT_PARAM}; use one of {list(NAMES)}")
+    return t
+
+
 def is_admin(request) -> bool:
     """The request carries the deployment admin key as the request parameter ADMIN_PARAM."""
     import hmac

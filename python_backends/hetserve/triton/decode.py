@@ -29,17 +29,19 @@ from ..stages.decode import (
     PendingKV,  # re-exported for existing callers (tests/test_hardening.py)
 )
 from .common import (
+    RequestError,
     engine_dir,
     grammar_matchers,
     ingest_token_ok,
     json_bytes,
+    kv_transport_of,
     logprob_tensors,
     send_error,
     start_admin_channel,
     str_tensor,
     tensors_of,
 )
-from .metrics import REGISTRY, Poller, gauges
+from .metrics import REGISTRY, Poller, gauges, transfer_failure_reason
 
 log = logging.getLogger("hetserve.decode")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -185,7 +187,8 @@ class TritonPythonModel:
                          default_precision=config.get("HETSERVE_DECODE_PRECISION") or e0.precision),
             snapshots=self.snapshots, metrics=REGISTRY, ingest_token_ok=ingest_token_ok,
             prefix=PrefixCache(int(config.get("HETSERVE_DECODE_PREFIX_CACHE_MB") * (1 << 20)),
-                               block=int(config.get("HETSERVE_PREFIX_BLOCK_TOKENS")), seed=e0.compat_hash))
+                               block=int(config.get("HETSERVE_PREFIX_BLOCK_TOKENS")), seed=e0.compat_hash),
+            classify_failure=transfer_failure_reason)
         for name in (PREFIX_HIT_METRIC, LOCAL_PREFILL_TOKENS_METRIC):
             REGISTRY.declare(name)
         for reason in RECOMPUTE_REASONS:
@@ -223,5 +226,14 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for r in requests:
-            self.stage.handle_tensors(tensors_of(r, "decode"), SenderReply(r.get_response_sender(), self.outbox))
+            reply = SenderReply(r.get_response_sender(), self.outbox)
+            t = tensors_of(r, "decode")
+            transport = "grpc"
+            if t.get("kv_header") is not None:  # op=ingest: the sender names its transport (a metric label)
+                try:
+                    transport = kv_transport_of(r)
+                except RequestError as e:
+                    reply.error(e)
+                    continue
+            self.stage.handle_tensors(t, reply, transport)
         return None

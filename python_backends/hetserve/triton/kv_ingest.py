@@ -1,5 +1,7 @@
 """kv_ingest (decode server): take KV over any registered transport, verify the handshake + HMAC tag, hand it to
-`decode`'s pool.
+`decode`'s pool. The prefill server's grpc and shm hand-offs skip it by default (HETSERVE_KV_DIRECT: op=ingest on
+the decode model itself, kv/transport/control.py); pulling transports (nixl), cuda_shm and plain unary senders
+come here.
 
 The sender names its transport in the request parameter `hetserve_transport` (kv/transport/control.py). In-band
 transports (grpc, shm, cuda_shm) deliver the payload as kv_payload (Triton resolves shm before we run); pulling
@@ -25,7 +27,6 @@ from ..diagnostics import PROBE_PREFIX
 from ..engines.manifest import read_manifest
 from ..kv import wire
 from ..kv.transport import NAMES, PeerRefused, TransferError, TransportReceiver, TransportUnavailable, spec, to_prepare
-from ..kv.transport.control import TRANSPORT_PARAM
 from ..kv.transport.negotiate import local_offer
 from .common import (
     RequestError,
@@ -34,7 +35,7 @@ from .common import (
     engine_dir,
     ingest_token,
     inp,
-    request_parameters,
+    kv_transport_of,
     respond_each,
     scalar,
     str_tensor,
@@ -42,17 +43,6 @@ from .common import (
 from .metrics import REGISTRY, declare_transfer_failures, transfer_failure_reason
 
 log = logging.getLogger("hetserve.kv_ingest")
-
-
-def _transport_of(request) -> str:
-    """The transport the sender named; 'grpc' for senders that name none (plain tritonclient calls)."""
-    try:
-        t = request_parameters(request).get(TRANSPORT_PARAM, "grpc")
-    except ValueError:
-        raise RequestError("malformed request parameters") from None
-    if t not in NAMES:
-        raise RequestError(f"unknown KV transport {t!r} in parameter {TRANSPORT_PARAM}; use one of {list(NAMES)}")
-    return t
 
 
 class TritonPythonModel:
@@ -150,7 +140,7 @@ class TritonPythonModel:
         rid = scalar(r, "request_id", None, str)
         if not rid:
             raise RequestError("missing 'request_id'")
-        transport = _transport_of(r)
+        transport = kv_transport_of(r)
         raw = inp(r, "kv_header")
         if raw is None:
             raise RequestError("missing 'kv_header'")

@@ -1,9 +1,9 @@
 """The KV transport interface: one sender and one receiver per transport, registered by name (registry.py).
 
-Every transport carries the same (KVHeader, payload) from the prefill server to the decode server's kv_ingest,
-which verifies it (kv/wire.py: handshake + HMAC tag). Transports differ only in how the payload bytes travel;
-the control message (a gRPC call to kv_ingest with request_id, kv_header and, where the transport needs it,
-kv_remote) is the same for all of them and its reply is the completion signal.
+Every transport carries the same (KVHeader, payload) from the prefill server to the decode server, which verifies
+it (kv/wire.py: handshake + HMAC tag). Transports differ only in how the payload bytes travel; the control message
+(request_id, kv_header and, where the transport needs it, kv_remote; control.post() sends it to the decode model
+or to kv_ingest) is the same for all of them and its reply is the completion signal.
 
 Sender lifecycle (prefill side, one instance per transport per process, made lazily by KVSender):
   __init__()              nothing remote yet (cheap; allocation and registration happen on first use)

@@ -19,7 +19,7 @@ from typing import Dict, List
 
 from ... import config
 from .base import CapacityExhausted, InBandReceiver, TransferError, TransportSender, TransportUnavailable
-from .control import ClientCache, ControlTransfer, ingest_inputs
+from .control import ClientCache, ingest_inputs, post
 
 log = logging.getLogger("hetserve.kv.transport.cuda_shm")
 
@@ -89,8 +89,8 @@ class CudaShmSender(TransportSender):
         except Exception:
             self._free(slot)
             raise
-        return ControlTransfer(self.clients.get(url), url, self.name, ins, payload.nbytes, timeout_s,
-                               on_settle=lambda ok: self._free(slot))
+        return post(self.clients, url, self.name, request_id, ins, payload.nbytes, timeout_s,
+                    on_settle=lambda ok: self._free(slot))
 
     def forget(self, url: str) -> None:
         with self._lock:

@@ -3,7 +3,7 @@ Works between any two hosts that can reach each other; the baseline every decode
 from __future__ import annotations
 
 from .base import InBandReceiver, TransportSender
-from .control import ClientCache, ControlTransfer, ingest_inputs
+from .control import ClientCache, ingest_inputs, post
 
 
 class GrpcSender(TransportSender):
@@ -16,7 +16,7 @@ class GrpcSender(TransportSender):
     def start(self, url, request_id, hdr, payload, timeout_s):
         ins, p = ingest_inputs(request_id, hdr, payload.nbytes)
         p.set_data_from_numpy(payload)
-        return ControlTransfer(self.clients.get(url), url, self.name, ins, payload.nbytes, timeout_s)
+        return post(self.clients, url, self.name, request_id, ins, payload.nbytes, timeout_s)
 
     def close(self):
         pass  # the ClientCache belongs to KVSender

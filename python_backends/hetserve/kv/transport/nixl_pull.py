@@ -48,7 +48,7 @@ from .base import (
     TransportSender,
     TransportUnavailable,
 )
-from .control import ClientCache, ControlTransfer, ingest_inputs
+from .control import ClientCache, ingest_inputs, post
 from .shm import RangeAllocator
 
 log = logging.getLogger("hetserve.kv.transport.nixl")
@@ -171,8 +171,8 @@ class NixlSender(TransportSender):
             raise
         self._begin()
         try:
-            return ControlTransfer(self.clients.get(url), url, self.name, ins, n, timeout_s,
-                                   on_settle=lambda ok: self._settled(off, n))
+            return post(self.clients, url, self.name, request_id, ins, n, timeout_s,
+                        on_settle=lambda ok: self._settled(off, n))
         except Exception:
             self._settled(off, n)
             raise

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ... import config
 from .base import CapacityExhausted, InBandReceiver, PeerLostRegistration, TransferError, TransportSender
-from .control import ClientCache, ControlTransfer, ingest_inputs
+from .control import ClientCache, ingest_inputs, post
 
 log = logging.getLogger("hetserve.kv.transport.shm")
 
@@ -182,8 +182,8 @@ class ShmSender(TransportSender):
             self._release(region)
 
         try:
-            return ControlTransfer(self.clients.get(url), url, self.name, ins, n, timeout_s, on_settle=settle,
-                                   classify=classify)
+            return post(self.clients, url, self.name, request_id, ins, n, timeout_s, on_settle=settle,
+                        classify=classify)
         except Exception:
             settle(False)
             raise
