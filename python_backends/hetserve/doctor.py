@@ -5,9 +5,10 @@ Sections (each check prints PASS, WARN, FAIL or SKIP; the exit code is 1 when an
   precision  what each server can run (fp32/fp16/bf16/int8/fp8), asked of the server itself (admin `info`)
   versions   compat hash, manifest, wire format and engine agreement between prefill and decode
   latency    ping-pong p50/p99: client -> prefill, client -> decode, prefill -> decode (measured on prefill)
-  link       KV-sized synthetic transfers pushed by the prefill server through each transport into decode's
-             kv_ingest (header + HMAC tag verified there, then discarded): MB/s and GB/s; and the refusal of a
-             transfer with a wrong compat hash and of one with a corrupted payload
+  link       KV-sized synthetic transfers pushed by the prefill server through each transport into the decode
+             server (its decode model for grpc/shm, kv_ingest for nixl: header + HMAC tag verified, then
+             discarded): MB/s and GB/s; and the refusal of a transfer with a wrong compat hash and of one with a
+             corrupted payload
   kv         correctness set: prompt KV -> wire (fp32/fp16/int8) -> each transport -> decode, which decodes it
              and returns a digest (fp32 must be bit-exact) and its next-token logits from the received KV vs a
              full recompute of the prompt (max |diff| per dtype; int8: argmax agreement)
@@ -106,7 +107,7 @@ class Doctor:
         self.ping_n, self.timeout_s, self.probe_compat_hash = int(ping_n), float(timeout_s), probe_compat_hash
         self.log = log or (lambda s: None)
         self._clients: Dict[str, object] = {}
-        self._dead: Dict[str, str] = {}  # transport -> error, when its link probe never reached kv_ingest
+        self._dead: Dict[str, str] = {}  # transport -> error, when its link probe never reached the decode server
         self.report = Report(prefill_url, decode_url)
 
     # ---- plumbing -------------------------------------------------------------------------------------
@@ -324,7 +325,7 @@ class Doctor:
             if errs:
                 self._add("link", tr, "FAIL", f"{tr} transfer of {errs[0]['bytes']} B to {self.link_url} "
                           f"failed: {errs[0]['error']}")
-                if "KV refused" not in errs[0]["error"]:  # never reached kv_ingest: don't retry it below
+                if "KV refused" not in errs[0]["error"]:  # never reached the decode server: don't retry it below
                     self._dead[tr] = errs[0]["error"]
                 continue
             fell = sorted({u for r in mine for u in r.get("transport_used", []) if u != tr})
@@ -341,7 +342,7 @@ class Doctor:
         live = [t for t in self.transports if t not in self._dead]
         for name, (extra, needle) in expect.items():
             if not live:
-                self._add("link", f"refuse_{name}", "SKIP", "no transport reached kv_ingest")
+                self._add("link", f"refuse_{name}", "SKIP", "no transport reached the decode server")
                 continue
             try:
                 r = self._probe({"tokens": [16], "repeats": 1, "transports": live[:1], "warmup": False, **extra})
@@ -367,7 +368,7 @@ class Doctor:
         for tr in self.transports:
             for dt in self.kv_dtypes:
                 if tr in self._dead:
-                    self._add("kv", f"{tr}/{dt}", "SKIP", f"{tr} did not reach kv_ingest (link/{tr})")
+                    self._add("kv", f"{tr}/{dt}", "SKIP", f"{tr} did not reach the decode server (link/{tr})")
                     continue
                 per = []
                 for text in self.prompts:
@@ -487,7 +488,7 @@ def format_text(rep: Report) -> str:
                       v["via"] or v["reason"]] for p, v in info["precision"].items()])]
         if sec == "link" and "link" in s:
             L = s["link"]
-            out.append(f"  synthetic {L['kv_dtype']} KV, median of {L['repeats']} (prefill -> decode kv_ingest, "
+            out.append(f"  synthetic {L['kv_dtype']} KV, median of {L['repeats']} (prefill -> decode server, "
                        "HMAC verified, discarded)")
             out += _table(["transport", "tokens", "MB", "p50 ms", "MB/s", "GB/s"],
                           [[r["transport"], r["tokens"], f"{r['bytes'] / 1e6:.2f}",
