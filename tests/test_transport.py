@@ -49,6 +49,40 @@ def test_registry_is_the_one_list_of_names():
         KVSender().send("127.0.0.1:1", "smoke-signals", "r", *_kv())
 
 
+def test_control_calls_go_straight_to_decode_for_in_band_transports(monkeypatch):
+    """Where post() sends a transfer's control message (no server here: which kind of call it made is the
+    test): grpc and shm to the decode model on the shared stream, a grpc payload past DIRECT_INLINE_MAX_BYTES and
+    the other transports to kv_ingest, everything to kv_ingest with HETSERVE_KV_DIRECT=0."""
+    from hetserve.kv.transport.control import (
+        DIRECT_INLINE_MAX_BYTES,
+        ClientCache,
+        ControlTransfer,
+        StreamedTransfer,
+        post,
+    )
+
+    url = "127.0.0.1:1"  # nothing listens: each call fails later, on its own thread
+    clients = ClientCache()
+    try:
+        def kind(transport, nbytes=1024):
+            return type(post(clients, url, transport, f"r-{transport}-{nbytes}", [], nbytes, 1.0))
+
+        assert kind("grpc") is StreamedTransfer and kind("shm") is StreamedTransfer
+        assert kind("shm", DIRECT_INLINE_MAX_BYTES + 1) is StreamedTransfer  # by reference: any size
+        assert kind("grpc", DIRECT_INLINE_MAX_BYTES + 1) is ControlTransfer
+        assert kind("nixl") is ControlTransfer and kind("cuda_shm") is ControlTransfer
+        monkeypatch.setenv("HETSERVE_KV_DIRECT", "0")
+        assert kind("grpc") is ControlTransfer and kind("shm") is ControlTransfer
+        failed = post(clients, url, "grpc", "r-unreachable", [], 8, 1.0)
+        monkeypatch.delenv("HETSERVE_KV_DIRECT")
+        streamed = post(clients, url, "grpc", "r-unreachable-2", [], 8, 1.0)
+        for t in (failed, streamed):  # an unreachable decode server: a typed failure, not a hang
+            with pytest.raises(TransferError):
+                t.wait(20.0)
+    finally:
+        clients.close()
+
+
 def test_transports_started_with_the_server():
     """HETSERVE_KV_PREPARE: which senders/receivers start with the server instead of in their first request."""
     assert to_prepare("default", "grpc") == ()  # the baseline has nothing to start

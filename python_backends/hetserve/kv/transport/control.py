@@ -5,9 +5,9 @@ reference, + kv_remote for pulling transports), names the transport in the reque
 Where it goes (post()): the in-band transports whose payload Triton hands the model itself (grpc, shm) send it
 straight to the decode server's `decode` model (op=ingest) on the process's one shared gRPC stream to that server
 (grpc_streams.SharedStream; HETSERVE_KV_DIRECT, default on): one message each way, the KV verified once, in the
-process that decodes it. The others (nixl pulls, cuda_shm), and every transport with HETSERVE_KV_DIRECT=0, make
-one asynchronous unary call to `kv_ingest`, which verifies and hands the KV to `decode` over BLS (two Triton
-requests more per transfer; loadtest/README.md, issue 27).
+process that decodes it. The others (nixl pulls, cuda_shm, grpc payloads past DIRECT_INLINE_MAX_BYTES), and every
+transport with HETSERVE_KV_DIRECT=0, make one asynchronous unary call to `kv_ingest`, which verifies and hands
+the KV to `decode` over BLS (two Triton requests more per transfer; loadtest/README.md, issue 27).
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ from .base import PeerRefused, SendState, Transfer, TransferError, TransferTimeo
 INGEST_MODEL = "kv_ingest"
 DIRECT_MODEL = "decode"  # op=ingest
 DIRECT_TRANSPORTS = ("grpc", "shm")  # the payload reaches the model as a tensor (Triton resolves system shm)
+# an inline (grpc) payload past this takes a call of its own (kv_ingest): one HTTP/2 stream delivers in order, so
+# a long prompt's KV on the shared stream would hold the short ones behind it; at this size the extra hop is noise
+DIRECT_INLINE_MAX_BYTES = 4 << 20
 TRANSPORT_PARAM = "hetserve_transport"
 
 
@@ -99,7 +102,8 @@ def post(clients: ClientCache, url: str, transport: str, request_id: str, inputs
          on_settle: Optional[Callable[[bool], None]] = None,
          classify: Optional[Callable[[TransferError], TransferError]] = None) -> Transfer:
     """Post the control call of one transfer where it goes (the module's docstring) and return it, under way."""
-    if transport in DIRECT_TRANSPORTS and config.get("HETSERVE_KV_DIRECT"):
+    inline_ok = transport != "grpc" or nbytes <= DIRECT_INLINE_MAX_BYTES
+    if transport in DIRECT_TRANSPORTS and inline_ok and config.get("HETSERVE_KV_DIRECT"):
         return StreamedTransfer(clients.hub(), url, transport, request_id, inputs, nbytes, on_settle, classify)
     return ControlTransfer(clients.get(url), url, transport, inputs, nbytes, timeout_s, on_settle, classify)
 
