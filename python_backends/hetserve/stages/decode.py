@@ -38,7 +38,6 @@ from .types import DecodeCall, Metrics, NoMetrics, Reply
 log = logging.getLogger("hetserve.decode")
 
 PENDING_TTL_S = 120.0
-INLINE_ADMIT_MAX_BYTES = 4 << 20  # KV admitted on the request thread (DecodeStage._admits_now) at most this big
 # {transport, reason}: KV refused here (triton/metrics.py; kv_ingest counts the ones it refuses)
 TRANSFER_FAILURES_METRIC = "hetserve_kv_transfer_failures_total"
 OPS = ("generate", "cancel", "ingest", "release", "canary", "stats", "prefix")
@@ -119,12 +118,11 @@ class PendingKV:
             k, v, _, start = self._d[rid]
             return TakenKV(k, v, start)
 
-    def whole(self, rid, tokens: int, max_bytes: int) -> bool:
-        """The KV of `rid` is here, covers positions 0..tokens-1 by itself (no prefix-cache join) and holds at
-        most max_bytes."""
+    def whole(self, rid, tokens: int) -> bool:
+        """The KV of `rid` is here and covers positions 0..tokens-1 by itself (no prefix-cache join)."""
         with self._cv:
             e = self._d.get(rid)
-            return e is not None and e[3] == 0 and e[0].shape[2] == tokens and 2 * e[0].nbytes <= max_bytes
+            return e is not None and e[3] == 0 and e[0].shape[2] == tokens
 
     def __len__(self):
         return len(self._d)
@@ -434,15 +432,13 @@ class DecodeStage:
     def _admits_now(self, call: DecodeCall) -> bool:
         """Admission has nothing to wait for, compute or write elsewhere: the first decode step of a request
         whose whole prompt KV already came (the usual order: the prefill server's hand-off is answered before the
-        orchestrator sends the generate), without a grammar to compile, whose blocks fit the device tier and
-        whose KV is small enough to copy into them at once (INLINE_ADMIT_MAX_BYTES: the request thread serves
-        every other request meanwhile). It then runs on the request thread, without a hand-off to an admission
-        thread."""
+        orchestrator sends the generate), without a grammar to compile, whose blocks fit the device tier. It then
+        runs on the request thread, without a hand-off to an admission thread."""
         pool = getattr(self.sched, "kv_pool", None)
         return (len(call.output_ids) == 1 and call.kv_sent and call.kv_shares == 1
                 and call.params is not None and not call.params.guide_type
                 and pool is not None and pool.fits_on_device(len(call.prompt))
-                and self.pending.whole(call.kv_key or call.request_id, len(call.prompt), INLINE_ADMIT_MAX_BYTES))
+                and self.pending.whole(call.kv_key or call.request_id, len(call.prompt)))
 
     def _op_cancel(self, call: DecodeCall, reply: Reply) -> None:
         """End the generate(s) of request_id early, as a Triton cancellation would: each finishes with reason
