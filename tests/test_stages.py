@@ -441,34 +441,6 @@ def test_rendezvous_kv_before_generate_is_used(stage):
     assert stage.counters["recompute"] == 0 and not stage.engines["fp32"].calls
 
 
-def test_generate_whose_whole_kv_is_here_is_admitted_on_the_request_thread(stage):
-    """Nothing to wait for or compute (the KV came first, all of it, no grammar, blocks fit the device tier):
-    admitted on the calling thread; any of those missing: on an admission thread, as before."""
-    class Pool:  # FAKE pool: only the question the stage asks
-        fits = True
-
-        def fits_on_device(self, n_tokens):
-            return self.fits
-
-    threads = []
-    submit = stage.sched.submit
-    stage.sched.submit = lambda seq: (threads.append(threading.current_thread()), submit(seq))
-    stage.sched.kv_pool = Pool()
-    me = threading.current_thread()
-
-    stage.pending.put("r1", *_kv(3))
-    assert _generate(stage, "r1").sent == [("tokens", [42], "length")] and threads[-1] is me
-    _generate(stage, "r2", kv_sent=False)  # recomputed: off the request thread
-    assert threads[-1] is not me
-    stage.pending.put("r3", *_kv(2))  # not the whole prompt: the stage decides (here, a recompute)
-    _generate(stage, "r3")
-    assert threads[-1] is not me
-    stage.sched.kv_pool.fits = False
-    stage.pending.put("r4", *_kv(3))
-    _generate(stage, "r4")
-    assert threads[-1] is not me and np.array_equal(stage.sched.seqs[-1].k, stage.sched.seqs[0].k)
-
-
 def test_rendezvous_kv_after_generate_within_the_timeout_is_used(stage):
     k, v = _kv(3)
     threading.Timer(0.1, stage.pending.put, ("r1", k, v)).start()

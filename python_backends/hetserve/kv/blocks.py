@@ -268,11 +268,6 @@ class BlockPool:
             seq = self._seq(seq_id)
             return self._can_take(0, self._activation_need(seq, n_tokens), set(seq.blocks), self._vacating(seq))
 
-    def fits_on_device(self, n_tokens: int) -> bool:
-        """Whether add() of n_tokens would place every block on the device tier now (no write to a lower tier)."""
-        with self._lock:
-            return self.tiers[0].free >= self.blocks_for(n_tokens)
-
     def can_allocate(self, n_blocks: int) -> bool:
         """Whether the device tier can take n_blocks new blocks now (demoting unpinned blocks if needed)."""
         with self._lock:

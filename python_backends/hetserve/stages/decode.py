@@ -118,12 +118,6 @@ class PendingKV:
             k, v, _, start = self._d[rid]
             return TakenKV(k, v, start)
 
-    def whole(self, rid, tokens: int) -> bool:
-        """The KV of `rid` is here and covers positions 0..tokens-1 by itself (no prefix-cache join)."""
-        with self._cv:
-            e = self._d.get(rid)
-            return e is not None and e[3] == 0 and e[0].shape[2] == tokens
-
     def __len__(self):
         return len(self._d)
 
@@ -420,25 +414,11 @@ class DecodeStage:
         if call.send_interval_s > 0:
             reply = PacedReply(reply, call.send_interval_s)
         live = self.live.add(reply, rid)
-        if self._admits_now(call):
-            self._admit(call, prec, live)  # answers its own failures through the reply
-            return
         try:
             self.admit.submit(self._admit, call, prec, live)
         except BaseException:
             self.live.remove(live)
             raise
-
-    def _admits_now(self, call: DecodeCall) -> bool:
-        """Admission has nothing to wait for, compute or write elsewhere: the first decode step of a request
-        whose whole prompt KV already came (the usual order: the prefill server's hand-off is answered before the
-        orchestrator sends the generate), without a grammar to compile, whose blocks fit the device tier. It then
-        runs on the request thread, without a hand-off to an admission thread."""
-        pool = getattr(self.sched, "kv_pool", None)
-        return (len(call.output_ids) == 1 and call.kv_sent and call.kv_shares == 1
-                and call.params is not None and not call.params.guide_type
-                and pool is not None and pool.fits_on_device(len(call.prompt))
-                and self.pending.whole(call.kv_key or call.request_id, len(call.prompt)))
 
     def _op_cancel(self, call: DecodeCall, reply: Reply) -> None:
         """End the generate(s) of request_id early, as a Triton cancellation would: each finishes with reason
