@@ -133,7 +133,17 @@ class SharedStream:
         self._task = asyncio.ensure_future(self._run())
 
     def send(self, request: dict) -> None:
+        """Write a request nobody waits on (a cancel op); carry() for one whose responses are routed back."""
         self.out.put_nowait(request)
+
+    def carry(self, request_id: str, routed: Routed, request: dict) -> bool:
+        """Send `request` and route its responses to `routed` (on the loop thread). False, sending nothing, when
+        its id is already in flight here or MAX_SHARED_REQUESTS are: the caller then takes another way."""
+        if request_id in self.live or len(self.live) >= MAX_SHARED_REQUESTS:
+            return False
+        self.live[request_id] = routed
+        self.out.put_nowait(request)
+        return True
 
     def close(self) -> None:
         self.out.put_nowait(None)

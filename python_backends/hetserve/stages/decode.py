@@ -37,6 +37,14 @@ from .types import DecodeCall, Metrics, NoMetrics, Reply
 
 log = logging.getLogger("hetserve.decode")
 
+
+def refused_kv(request_id: str, exc: BaseException, count: Callable[[BaseException], None]) -> RequestError:
+    """The client's error for a KV refused on ingest (here or in kv_ingest), after count(exc) records it as a
+    failed transfer, unless it was a link probe (diagnostics.PROBE_PREFIX: a deliberate `hetserve doctor` test)."""
+    if not request_id.startswith(PROBE_PREFIX):
+        count(exc)
+    return RequestError(f"KV refused for request {request_id}: {exc}")
+
 PENDING_TTL_S = 120.0
 # {transport, reason}: KV refused here (triton/metrics.py; kv_ingest counts the ones it refuses)
 TRANSFER_FAILURES_METRIC = "hetserve_kv_transfer_failures_total"
@@ -356,9 +364,8 @@ class DecodeStage:
                 wire.verify(hdr, payload, self.compat, (self.cfg.num_layers, self.cfg.num_kv_heads,
                                                         self.cfg.head_dim))
         except (wire.KVWireError, RequestError) as e:
-            if not rid.startswith(PROBE_PREFIX):  # a deliberate doctor probe is not a transfer failure
-                self.metrics.inc(TRANSFER_FAILURES_METRIC, transport=call.transport, reason=self.classify_failure(e))
-            raise RequestError(f"KV refused for request {rid}: {e}") from None
+            raise refused_kv(rid, e, lambda e: self.metrics.inc(
+                TRANSFER_FAILURES_METRIC, transport=call.transport, reason=self.classify_failure(e))) from None
         if rid.startswith(PROBE_PREFIX):
             reply.tokens([], final=True)
             return

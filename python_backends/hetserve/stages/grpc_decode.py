@@ -9,7 +9,7 @@ import threading
 from typing import Any, Dict, Iterator, Optional, Sequence
 
 from .. import config, errors
-from ..grpc_streams import MAX_SHARED_REQUESTS, CallFailed, SharedStream, StreamHub, describe, is_final, typed_error
+from ..grpc_streams import CallFailed, SharedStream, StreamHub, describe, is_final, typed_error
 from ..sampling import TokenLogprobs
 from .types import DecodeFailed, DecodeRequest, TokenChunk
 
@@ -166,12 +166,10 @@ class SharedStreamRequest(GrpcDecodeStream):
 
         def go() -> None:  # on the loop: before any close() of this request (call_soon_threadsafe is FIFO)
             s = self.hub.shared(self.url)
-            if rid in s.live or len(s.live) >= MAX_SHARED_REQUESTS:
+            if not s.carry(rid, self, request):
                 self._task = asyncio.ensure_future(self._run(request))
                 return
-            s.live[rid] = self
             self._stream = s
-            s.send(request)
         self.hub.loop.call_soon_threadsafe(go)
 
     def close(self, cancel: bool = False) -> None:

@@ -28,6 +28,7 @@ from ..engines.manifest import read_manifest
 from ..kv import wire
 from ..kv.transport import NAMES, PeerRefused, TransferError, TransportReceiver, TransportUnavailable, spec, to_prepare
 from ..kv.transport.negotiate import local_offer
+from ..stages.decode import TRANSFER_FAILURES_METRIC, refused_kv
 from .common import (
     RequestError,
     bls_error,
@@ -113,10 +114,8 @@ class TritonPythonModel:
         return offer
 
     def _refuse(self, rid: str, transport: str, e: Exception):
-        if not rid.startswith(PROBE_PREFIX):  # a deliberate doctor probe is not a transfer failure
-            REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=transport,
-                         reason=transfer_failure_reason(e))
-        raise RequestError(f"KV refused for request {rid}: {e}") from None
+        raise refused_kv(rid, e, lambda e: REGISTRY.inc(TRANSFER_FAILURES_METRIC, transport=transport,
+                                                        reason=transfer_failure_reason(e))) from None
 
     def _check_pull_size(self, hdr) -> None:
         """A pulling receiver sizes its buffer from hdr.nbytes: it must be what our engine's shape gives for the
@@ -158,7 +157,7 @@ class TritonPythonModel:
         except (wire.KVWireError, RequestError, PeerRefused) as e:
             self._refuse(rid, transport, e)
         except TransferError as e:  # the pull itself failed (timeout, peer gone): the sender sees why
-            REGISTRY.inc("hetserve_kv_transfer_failures_total", transport=transport, reason=transfer_failure_reason(e))
+            REGISTRY.inc(TRANSFER_FAILURES_METRIC, transport=transport, reason=transfer_failure_reason(e))
             raise RequestError(f"KV for request {rid} not received over {transport}: {e}") from None
         if rid.startswith(PROBE_PREFIX):  # link probe: verified, discarded
             return pb_utils.InferenceResponse([pb_utils.Tensor("kv_tokens", np.array([hdr.num_tokens], np.int32))])

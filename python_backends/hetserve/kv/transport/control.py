@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 
 from ... import config, errors
-from ...grpc_streams import MAX_SHARED_REQUESTS, StreamHub, describe, is_final, typed_error
+from ...grpc_streams import StreamHub, describe, is_final, typed_error
 from ..wire import KVHeader
 from .base import PeerRefused, SendState, Transfer, TransferError, TransferTimeout
 
@@ -187,13 +187,10 @@ class StreamedTransfer(_Posted):
 
         def go() -> None:  # on the hub's loop
             s = hub.shared(url)
-            if request_id in s.live or len(s.live) >= MAX_SHARED_REQUESTS:
+            if not s.carry(request_id, self, request):
                 self._end(TransferError(f"KV transfer over {transport} to {url}: request {request_id} cannot be "
                                         f"carried ({len(s.live)} in flight, its id among them: "
                                         f"{request_id in s.live})"))
-                return
-            s.live[request_id] = self
-            s.send(request)
         hub.loop.call_soon_threadsafe(go)
 
     def put(self, item) -> None:
