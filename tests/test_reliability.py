@@ -463,6 +463,40 @@ def test_json_schema_streams_survive_kill9_of_their_decode_server(cluster, engin
     _pool_healthy(cluster, 2)
 
 
+def test_ops_to_a_stalled_decode_server_are_forgotten_not_cancelled(cluster):
+    """The llm's one-answer ops (health canary, prefix lookup, release) ride its shared stream to a decode server
+    and, when the server stalls, time out on our side without cancelling the gRPC call: Triton 2.51 can crash on
+    a cancellation that races a response (grpc_streams' docstring), and a stalled server that resumes gets every
+    cancellation at once. Proof that nothing was cancelled: after SIGCONT the server answers the forgotten ops on
+    the same, still open stream (late_answers), the stream serves the next op, and the server is alive."""
+    from hetserve.stages.grpc_decode import GrpcDecodeClient
+
+    _pool_healthy(cluster, 2)
+    url, proc = cluster.decode_grpc(1), cluster.decode[1].proc
+    client = GrpcDecodeClient()
+    try:
+        assert client.op(url, "canary", 30).as_numpy("token_ids").size == 1
+        stream = client.hub.streams()[url]
+        try:
+            os.killpg(proc.pid, signal.SIGSTOP)
+            t0 = time.time()
+            with pytest.raises(TimeoutError, match="no answer to canary-"):
+                client.op(url, "canary", 0.5)
+            assert client.held_tokens([url], [1, 2, 3, 4], 0.3) == {}  # a lookup that timed out: left out
+            client.release(url, "never-pushed")  # not waited on
+            assert time.time() - t0 < 5
+        finally:
+            os.killpg(proc.pid, signal.SIGCONT)
+        wait_for(lambda: stream.late_answers >= 2, 30, "the server to answer the forgotten canary and lookup")
+        assert client.hub.streams()[url] is stream and not stream.dead and not stream.task.done()
+        assert client.op(url, "canary", 30).as_numpy("token_ids").size == 1  # the same stream goes on
+        assert client.hub.streams()[url] is stream and not stream.live
+    finally:
+        client.close()
+    assert cluster.decode[1].alive()
+    _pool_healthy(cluster, 2)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_hung_decode_server_is_routed_around(cluster, prompt_ids, reference_tokens, transport):
     _pool_healthy(cluster, 2)

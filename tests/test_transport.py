@@ -65,7 +65,7 @@ def test_control_calls_go_straight_to_decode_for_in_band_transports(monkeypatch)
     clients = ClientCache()
     try:
         def kind(transport, nbytes=1024):
-            return type(post(clients, url, transport, f"r-{transport}-{nbytes}", [], nbytes, 1.0))
+            return type(post(clients, url, transport, f"r-{transport}-{nbytes}", [], nbytes))
 
         assert kind("grpc") is StreamedTransfer and kind("shm") is StreamedTransfer
         assert kind("shm", DIRECT_INLINE_MAX_BYTES + 1) is StreamedTransfer  # by reference: any size
@@ -73,9 +73,9 @@ def test_control_calls_go_straight_to_decode_for_in_band_transports(monkeypatch)
         assert kind("nixl") is ControlTransfer and kind("cuda_shm") is ControlTransfer
         monkeypatch.setenv("HETSERVE_KV_DIRECT", "0")
         assert kind("grpc") is ControlTransfer and kind("shm") is ControlTransfer
-        failed = post(clients, url, "grpc", "r-unreachable", [], 8, 1.0)
+        failed = post(clients, url, "grpc", "r-unreachable", [], 8)
         monkeypatch.delenv("HETSERVE_KV_DIRECT")
-        streamed = post(clients, url, "grpc", "r-unreachable-2", [], 8, 1.0)
+        streamed = post(clients, url, "grpc", "r-unreachable-2", [], 8)
         for t in (failed, streamed):  # an unreachable decode server: a typed failure, not a hang
             with pytest.raises(TransferError):
                 t.wait(20.0)

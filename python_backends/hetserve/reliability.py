@@ -246,9 +246,11 @@ def _resolve_all(names: Optional[str], resolver: Optional[Resolver] = None) -> O
     return sorted(out)
 
 
-def canary_check(url: str, timeout_s: float) -> float:
+def canary_check(url: str, timeout_s: float, op: Optional[Callable[..., Any]] = None) -> float:
     """Triton ready + decode model ready + one canary step on the decode engine (the model is decoupled, so
-    over a gRPC stream); returns the canary round trip in ms. Raises on failure or after `timeout_s`."""
+    over a gRPC stream); returns the canary round trip in ms. Raises on failure or after `timeout_s`.
+    `op(url, "canary", timeout_s)` sends the canary (the llm's: GrpcDecodeClient.op, on its shared stream,
+    never cancelled); without it, a stream of its own (client.stream_once, whose deadline cancels it)."""
     import tritonclient.grpc as grpcclient
 
     from .client import build_inputs, stream_once
@@ -262,7 +264,10 @@ def canary_check(url: str, timeout_s: float) -> float:
     finally:
         c.close()
     t0 = time.perf_counter()
-    if stream_once(url, "decode", build_inputs(None, op="canary"), timeout_s, "canary").as_numpy("token_ids") is None:
+    if op is None:
+        def op(url, name, t):
+            return stream_once(url, "decode", build_inputs(None, op=name), t, name)
+    if op(url, "canary", timeout_s).as_numpy("token_ids") is None:
         raise RuntimeError("canary returned no token")
     return (time.perf_counter() - t0) * 1e3
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import threading
 from typing import Any, Dict, Iterator, Optional, Sequence
 
 from .. import config, errors
@@ -42,17 +41,30 @@ def generate_request(req: DecodeRequest) -> dict:
             "enable_empty_final_response": True}
 
 
+def cancel_request(request_id: str) -> dict:
+    """The stream_infer request that ends the generate of `request_id` on the decode server (op=cancel): how a
+    generate is ended early without cancelling its gRPC call (grpc_streams' docstring)."""
+    from ..client import build_inputs
+
+    return {"model_name": "decode", "request_id": "", "inputs": build_inputs(None, op="cancel", request_id=request_id)}
+
+
 class GrpcDecodeStream:
-    """One request's stream to the decode server's `decode` model, carried by the StreamHub's loop."""
+    """One request's stream of its own to the decode server's `decode` model, carried by the StreamHub's loop.
+    Ended early by op=cancel on the same stream; read to its end (our half closes after the final answer), never
+    cancelled (grpc_streams' docstring)."""
 
     def __init__(self, url: str, hub: StreamHub):
         self.url, self.hub = url, hub
         self.q: "queue.Queue" = queue.Queue(MAX_BUFFERED)
-        self._it: Any = None  # the aio stream (cancel() cancels the Triton request)
         self._task: Any = None
         self._closed = False
+        self._rid: Optional[str] = None
+        self._more: Any = None  # asyncio.Queue on the loop: op=cancel to write, None to close our half
 
     def put(self, item) -> None:
+        if self._closed:
+            return
         try:
             self.q.put_nowait(item)
         except queue.Full:  # the consumer is gone or stuck: drop, it fails on its step timeout
@@ -61,6 +73,7 @@ class GrpcDecodeStream:
     def start(self, req: DecodeRequest) -> None:
         import asyncio
 
+        self._rid = req.request_id
         self._task = asyncio.run_coroutine_threadsafe(self._run(generate_request(req)), self.hub.loop)
 
     async def _run(self, request: dict) -> None:
@@ -68,21 +81,26 @@ class GrpcDecodeStream:
 
         import grpc
 
-        done = asyncio.Event()
+        more: "asyncio.Queue" = asyncio.Queue()
+        self._more = more
+        if self._closed:
+            return  # closed before it started: nothing sent
 
         async def requests():
             yield request
-            await done.wait()  # our half stays open until the answer is complete
+            while (r := await more.get()) is not None:
+                yield r
 
+        ended = False
         try:
-            self._it = it = self.hub.client(self.url).stream_infer(requests())
-            if self._closed:
-                it.cancel()
-                return
-            async for result, error in it:
+            it = self.hub.client(self.url).stream_infer(requests())
+            async for result, error in it:  # to the end of the stream: our half closes after the answer ends
+                if ended:
+                    continue  # op=cancel's own answer
                 self.put((result, error))
                 if error is not None or is_final(result.get_response()):
-                    return  # an error response ends the request
+                    ended = True
+                    more.put_nowait(None)
         except grpc.RpcError as e:
             self.put((None, CallFailed(f"StatusCode.{e.code().name}", str(e.details()))))
         except asyncio.CancelledError:
@@ -90,7 +108,7 @@ class GrpcDecodeStream:
         except Exception as e:  # the stream could not be made (channel, client): the call failed
             self.put((None, CallFailed("StatusCode.UNKNOWN", f"{type(e).__name__}: {e}")))
         finally:
-            done.set()
+            more.put_nowait(None)
 
     def responses(self, timeout_s: float) -> Iterator[TokenChunk]:
         """The decode responses as chunks; responses already waiting are merged into one chunk (a consumer that
@@ -140,13 +158,17 @@ class GrpcDecodeStream:
                           reason or ("stop" if final else None), lps)
 
     def close(self, cancel: bool = False) -> None:
-        """Stop reading; with cancel, cancel the Triton request (the decode server frees the sequence)."""
+        """Stop reading; with cancel, end the generate on the server (op=cancel: the decode server frees the
+        sequence at its next step)."""
         self._closed = True
-        if not cancel:
+        if not cancel or self._rid is None:
             return
-        it = self._it
-        if it is not None:
-            self.hub.loop.call_soon_threadsafe(it.cancel)
+        rid = self._rid
+
+        def go() -> None:  # after _run made the queue (call_soon_threadsafe is FIFO after start's scheduling)
+            if self._more is not None:
+                self._more.put_nowait(cancel_request(rid))
+        self.hub.loop.call_soon_threadsafe(go)
 
 
 class SharedStreamRequest(GrpcDecodeStream):
@@ -184,21 +206,17 @@ class SharedStreamRequest(GrpcDecodeStream):
             if rid is not None and s.live.get(rid) is self:  # still running there: stop routing it, end it if asked
                 del s.live[rid]
                 if cancel and not s.dead:
-                    from ..client import build_inputs
-
-                    s.send({"model_name": "decode", "request_id": "",
-                            "inputs": build_inputs(None, op="cancel", request_id=rid)})
+                    s.send(cancel_request(rid))
         self.hub.loop.call_soon_threadsafe(go)
 
 
 class GrpcDecodeClient:
-    # releases run on their own short-lived threads; past this many at once a release is skipped (the
-    # decode server's pending-KV TTL frees the KV anyway)
-    MAX_RELEASES = 64
+    """The llm's link to its decode servers: generates (one shared stream per server, or one stream each with
+    HETSERVE_DECODE_SHARED_STREAM=0) and the one-answer ops (canary, prefix, release, stats) on the same shared
+    stream (StreamHub.post); none of them cancels a gRPC call (grpc_streams' docstring)."""
 
     def __init__(self):
-        self._releases = threading.BoundedSemaphore(self.MAX_RELEASES)
-        self.hub = StreamHub()
+        self.hub = StreamHub(cancel_request=cancel_request)
 
     def open(self, url: str) -> GrpcDecodeStream:
         if config.get("HETSERVE_DECODE_SHARED_STREAM"):
@@ -208,65 +226,42 @@ class GrpcDecodeClient:
     def close(self) -> None:
         self.hub.close()
 
+    def op(self, url: str, op: str, timeout_s: float, **inputs):
+        """One decode op (op=canary, stats, prefix, release) on the url's shared stream; its InferResult. Raises
+        TimeoutError (the request is then forgotten, not cancelled) or the error it got."""
+        from ..client import build_inputs
+
+        return self.hub.post(url, "decode", build_inputs(None, op=op, **inputs), op).result(timeout_s)
+
+    def json_op(self, url: str, op: str, timeout_s: float, **inputs) -> dict:
+        """op() of an op that answers JSON (stats, prefix)."""
+        return json.loads(bytes(self.op(url, op, timeout_s, **inputs).as_numpy("op_json").reshape(-1)[0]))
+
     def held_tokens(self, urls: Sequence[str], prompt: Sequence[int], timeout_s: float) -> Dict[str, int]:
         """How many leading tokens of `prompt` each of `urls` holds in its prefix cache (decode op=prefix), all
-        asked at once on the hub's channels; a server that does not answer within timeout_s is left out."""
-        import asyncio
+        asked at once; a server that does not answer within timeout_s is left out (its answer forgotten)."""
+        import time
 
         from ..client import build_inputs
 
         if not urls:
             return {}
         inputs = build_inputs(None, op="prefix", input_ids=list(prompt))  # one serialised prompt for every server
-
-        async def ask(url: str) -> Optional[int]:
-            async def requests():
-                yield {"model_name": "decode", "inputs": inputs, "request_id": "prefix-lookup"}
-            it = self.hub.client(url).stream_infer(requests())
+        asked = {u: self.hub.post(u, "decode", inputs, "prefix-lookup") for u in urls}
+        deadline = time.monotonic() + timeout_s
+        held: Dict[str, int] = {}
+        for u, answer in asked.items():
             try:
-                async for result, error in it:
-                    if error is not None:
-                        return None
-                    got = json.loads(bytes(result.as_numpy("op_json").reshape(-1)[0]))
-                    return int(got.get("held_tokens", 0))
-                return None
-            finally:
-                it.cancel()
-
-        async def ask_all() -> Dict[str, int]:
-            tasks = [asyncio.ensure_future(ask(u)) for u in urls]
-            done, late = await asyncio.wait(tasks, timeout=timeout_s)
-            for t in late:
-                t.cancel()
-            held: Dict[str, int] = {}
-            for u, t in zip(urls, tasks):
-                n = t.result() if t in done and t.exception() is None else None
-                if n is not None:
-                    held[u] = n
-            return held
-
-        fut = asyncio.run_coroutine_threadsafe(ask_all(), self.hub.loop)
-        try:
-            return fut.result(timeout=timeout_s + 1.0)
-        except Exception as e:  # slow or unreachable: the router goes on with its own view (a miss costs time only)
-            fut.cancel()
-            log.debug("prefix lookup on %s: %s: %s", list(urls), type(e).__name__, e)
-            return {}
+                r = answer.result(deadline - time.monotonic())
+                held[u] = int(json.loads(bytes(r.as_numpy("op_json").reshape(-1)[0])).get("held_tokens", 0))
+            except Exception as e:  # slow or unreachable: the router goes on with its own view (a miss costs time)
+                log.debug("prefix lookup on %s: %s: %s", u, type(e).__name__, e)
+        return held
 
     def release(self, url: str, request_id: str) -> None:
-        from ..client import build_inputs, stream_once
+        """Free the KV pushed to `url` for a request that went elsewhere (op=release); not waited on. One that
+        gets no answer within RELEASE_TIMEOUT_S is forgotten: the server's pending-KV TTL frees the KV anyway."""
+        from ..client import build_inputs
 
-        if not self._releases.acquire(blocking=False):
-            log.info("release of %s on %s skipped (%d in flight); its pending TTL frees it", request_id, url,
-                     self.MAX_RELEASES)
-            return
-
-        def go():
-            try:
-                stream_once(url, "decode", build_inputs(None, op="release", request_id=request_id),
-                            RELEASE_TIMEOUT_S, request_id)
-            except Exception as e:
-                log.info("release of %s on %s failed (%s); its pending TTL frees it", request_id, url, e)
-            finally:
-                self._releases.release()
-        threading.Thread(target=go, daemon=True, name="decode-release").start()
+        answer = self.hub.post(url, "decode", build_inputs(None, op="release", request_id=request_id), "release")
+        self.hub.loop.call_soon_threadsafe(self.hub.loop.call_later, RELEASE_TIMEOUT_S, answer.forget)

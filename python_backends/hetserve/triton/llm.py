@@ -28,7 +28,7 @@ from .. import config, errors, schema
 from ..engines.manifest import read_manifest
 from ..errors import Overloaded
 from ..model.checkpoint import LlamaConfig
-from ..reliability import CircuitBreaker, DecodePool
+from ..reliability import CircuitBreaker, DecodePool, canary_check
 from ..sampling import MAX_CHOICES, TokenLogprobs
 from ..stages.grpc_decode import GrpcDecodeClient
 from ..stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
@@ -177,10 +177,14 @@ class TritonPythonModel:
         REGISTRY.set("hetserve_breaker_state", 0)
         REGISTRY.declare(TRANSFER_FAILED_METRIC, reason="transfer_failed", transport="grpc")
         breaker = CircuitBreaker.from_env(on_state=lambda st: REGISTRY.set("hetserve_breaker_state", st))
-        self.pool = DecodePool.from_env(on_change=self._pool_metrics, on_fallback=lambda req, used, why: REGISTRY.inc(
-            "hetserve_kv_transport_fallbacks_total", requested=req, used=used, reason=why))
-        self._pool_metrics(self.pool.snapshot())
         self.decode_client = GrpcDecodeClient()
+        # the health canary rides the decode client's shared stream: a canary that times out on a stalled server
+        # is forgotten, not cancelled (grpc_streams' docstring)
+        self.pool = DecodePool.from_env(
+            on_change=self._pool_metrics, check=lambda url, t: canary_check(url, t, self.decode_client.op),
+            on_fallback=lambda req, used, why: REGISTRY.inc(
+                "hetserve_kv_transport_fallbacks_total", requested=req, used=used, reason=why))
+        self._pool_metrics(self.pool.snapshot())
         self.router, self.refresher = self._kv_router(man["compat_hash"])
         step_timeout_s = float(config.get("HETSERVE_DECODE_STEP_TIMEOUT_S"))
         self.stage = Orchestrator(
@@ -213,12 +217,10 @@ class TritonPythonModel:
             REGISTRY.declare(ROUTER_LOOKUP_METRIC, result=result)
         if not config.get("HETSERVE_KV_ROUTING"):
             return None, None
-        from ..client import decode_json_op
-
         router = PrefixRouter(int(config.get("HETSERVE_PREFIX_BLOCK_TOKENS")), compat_hash, RouterConfig.from_env())
         timeout_s = float(config.get("HETSERVE_HEALTH_TIMEOUT_S"))
         refresher = Refresher(router, lambda: {u: m.healthy for u, m in self.pool.snapshot().items()},
-                              lambda url: decode_json_op(url, "prefix", timeout_s),
+                              lambda url: self.decode_client.json_op(url, "prefix", timeout_s),
                               float(config.get("HETSERVE_ROUTER_REFRESH_S")))
         return router, refresher
 

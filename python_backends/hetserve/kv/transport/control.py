@@ -98,14 +98,14 @@ def _error_of(url: str, transport: str, exc: BaseException) -> TransferError:
     return TransferError(msg)
 
 
-def post(clients: ClientCache, url: str, transport: str, request_id: str, inputs, nbytes: int, timeout_s: float,
+def post(clients: ClientCache, url: str, transport: str, request_id: str, inputs, nbytes: int,
          on_settle: Optional[Callable[[bool], None]] = None,
          classify: Optional[Callable[[TransferError], TransferError]] = None) -> Transfer:
     """Post the control call of one transfer where it goes (the module's docstring) and return it, under way."""
     inline_ok = transport != "grpc" or nbytes <= DIRECT_INLINE_MAX_BYTES
     if transport in DIRECT_TRANSPORTS and inline_ok and config.get("HETSERVE_KV_DIRECT"):
         return StreamedTransfer(clients.hub(), url, transport, request_id, inputs, nbytes, on_settle, classify)
-    return ControlTransfer(clients.get(url), url, transport, inputs, nbytes, timeout_s, on_settle, classify)
+    return ControlTransfer(clients.get(url), url, transport, inputs, nbytes, on_settle, classify)
 
 
 class _Posted(Transfer):
@@ -143,9 +143,11 @@ class _Posted(Transfer):
         return SendState.FAILED if self._error is not None else SendState.DONE
 
     def wait(self, timeout_s: float) -> dict:
-        if not self._done.wait(timeout_s + 1.0):  # a unary call's own deadline fires first; this is a backstop
-            # the staging range stays reserved until the call settles (the peer may still read it)
-            raise TransferTimeout(f"KV transfer over {self.transport} to {self.url}: no answer in {timeout_s:.0f}s")
+        if not self._done.wait(timeout_s):
+            # the call is not cancelled (grpc_streams' docstring): it settles when the server answers or the
+            # connection fails, and the staging range stays reserved until then (the peer may still read it)
+            raise TransferTimeout(f"KV transfer over {self.transport} to {self.url}: no answer in "
+                                  f"{timeout_s * 1e3:.0f} ms")
         if self._error is not None:
             err = self._classify(self._error) if self._classify else self._error
             raise err
@@ -153,15 +155,15 @@ class _Posted(Transfer):
 
 
 class ControlTransfer(_Posted):
-    """The unary call to kv_ingest."""
+    """The unary call to kv_ingest. No gRPC deadline: a deadline cancels the call, and Triton 2.51 can crash on a
+    cancellation that races the answer (grpc_streams' docstring); wait() times out on our side instead."""
 
-    def __init__(self, client, url: str, transport: str, inputs, nbytes: int, timeout_s: float,
+    def __init__(self, client, url: str, transport: str, inputs, nbytes: int,
                  on_settle: Optional[Callable[[bool], None]] = None,
                  classify: Optional[Callable[[TransferError], TransferError]] = None):
         super().__init__(url, transport, nbytes, on_settle, classify)
         try:
-            client.async_infer(INGEST_MODEL, inputs, self._callback, client_timeout=timeout_s,
-                               parameters={TRANSPORT_PARAM: transport})
+            client.async_infer(INGEST_MODEL, inputs, self._callback, parameters={TRANSPORT_PARAM: transport})
         except Exception as e:
             self._callback(None, e)
 

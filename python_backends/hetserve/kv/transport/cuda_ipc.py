@@ -89,7 +89,7 @@ class CudaShmSender(TransportSender):
         except Exception:
             self._free(slot)
             raise
-        return post(self.clients, url, self.name, request_id, ins, payload.nbytes, timeout_s,
+        return post(self.clients, url, self.name, request_id, ins, payload.nbytes,
                     on_settle=lambda ok: self._free(slot))
 
     def forget(self, url: str) -> None:

@@ -16,7 +16,7 @@ class GrpcSender(TransportSender):
     def start(self, url, request_id, hdr, payload, timeout_s):
         ins, p = ingest_inputs(request_id, hdr, payload.nbytes)
         p.set_data_from_numpy(payload)
-        return post(self.clients, url, self.name, request_id, ins, payload.nbytes, timeout_s)
+        return post(self.clients, url, self.name, request_id, ins, payload.nbytes)
 
     def close(self):
         pass  # the ClientCache belongs to KVSender

@@ -171,7 +171,7 @@ class NixlSender(TransportSender):
             raise
         self._begin()
         try:
-            return post(self.clients, url, self.name, request_id, ins, n, timeout_s,
+            return post(self.clients, url, self.name, request_id, ins, n,
                         on_settle=lambda ok: self._settled(off, n))
         except Exception:
             self._settled(off, n)

@@ -182,7 +182,7 @@ class ShmSender(TransportSender):
             self._release(region)
 
         try:
-            return post(self.clients, url, self.name, request_id, ins, n, timeout_s, on_settle=settle,
+            return post(self.clients, url, self.name, request_id, ins, n, on_settle=settle,
                         classify=classify)
         except Exception:
             settle(False)
