@@ -62,6 +62,34 @@ def test_grpc_stream_gets_the_typed_error_after_its_first_tokens(faulty):
     assert "llm failed (request errtest-grpc)" in pre_log and "Traceback" in pre_log, pre_log[-3000:]
 
 
+def test_a_prefill_refusal_keeps_its_kind_across_the_llm(faulty):
+    """The llm reaches prefill over BLS, and Triton 2.51's BLS reports every error code as INTERNAL
+    (triton-inference-server/server#7804): prefill answers the llm's hop with the typed error as data, so a
+    client's bad input that only prefill can judge (an unknown KV transport) stays the client's fault: the
+    Triton status is INVALID_ARGUMENT, the llm does not log it as its own failure, and the circuit breaker does
+    counts it as the client's (kind bad_input, which the breaker skips). Without the data path this was an
+    internal error (status INTERNAL, logged with a traceback)."""
+    from conftest import scrape, total, wait_for
+    from hetserve.client import GenerationError, stream
+
+    def refused():
+        return total(scrape(faulty.cluster.prefill_metrics), "hetserve_request_errors_total", kind=errors.BAD_INPUT)
+
+    before, n0 = faulty.servers["prefill"].log_tail(200_000).count("llm failed (request errtest-refused"), refused()
+    for i in range(3):
+        with pytest.raises(GenerationError) as ei:
+            for _ in stream(faulty.prefill_grpc, PROMPT, max_tokens=4, transport="carrier-pigeon",
+                            triton_request_id=f"errtest-refused-{i}"):
+                pass
+        e = ei.value
+        assert (e.kind, e.status, e.where) == (errors.BAD_INPUT, "StatusCode.INVALID_ARGUMENT", "prefill"), vars(e)
+        assert "unknown transport 'carrier-pigeon'" in str(e)
+    pre_log = faulty.servers["prefill"].log_tail(200_000)
+    assert pre_log.count("llm failed (request errtest-refused") == before, pre_log[-3000:]
+    # counted as the client's (kind bad_input), so not a breaker failure (metrics reach /metrics every interval)
+    wait_for(lambda: refused() - n0 >= 3, 30, "3 refusals counted as bad input")
+
+
 def test_triton_http_generate_says_the_failure_is_ours(faulty):
     """Triton 2.51's HTTP /generate answers every model error with 400 whatever its Triton code (INTERNAL here;
     the gRPC test above sees the code): the message must say it is an internal error. Asserting the 400 makes

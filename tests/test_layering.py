@@ -136,3 +136,32 @@ def test_no_silent_broad_except():
             if not (uses_error or acts):
                 silent.append(f"{p.relative_to(PKG.parent)}:{node.lineno}")
     assert not silent, "broad except that neither logs, re-raises, uses the error nor says why:\n" + "\n".join(silent)
+
+
+def _metric_names_in_code():
+    """hetserve_* names the code counts: `*_METRIC = "..."` constants and the first argument of registry calls."""
+    names = {}
+    for p in PKG.rglob("*.py"):
+        tree = ast.parse(p.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and any(
+                    isinstance(t, ast.Name) and t.id.endswith("_METRIC") for t in node.targets):
+                names[node.value.value] = p.name
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("inc", "set", "observe", "declare") and node.args
+                  and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+                  and node.args[0].value.startswith("hetserve_")):
+                names[node.args[0].value] = p.name
+    return names
+
+
+def test_every_metric_the_code_counts_is_declared():
+    """A name missing from triton/metrics.py _SPECS is never exported (the registry cannot make its family): the
+    llm's hetserve_request_errors_total was counted and never reached /metrics (found 2026-12-07)."""
+    tree = ast.parse((PKG / "triton" / "metrics.py").read_text())
+    specs = next(set(ast.literal_eval(k) for k in n.value.keys) for n in ast.walk(tree)
+                 if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_SPECS" for t in n.targets))
+    used = _metric_names_in_code()
+    assert {"hetserve_request_errors_total", "hetserve_migrations_total"} <= set(used)  # the scan sees them
+    missing = {n: f for n, f in used.items() if n not in specs}
+    assert not missing, f"metrics counted but not declared in _SPECS: {missing}"

@@ -83,6 +83,27 @@ def test_control_calls_go_straight_to_decode_for_in_band_transports(monkeypatch)
         clients.close()
 
 
+def test_decode_ops_to_an_unreachable_server_fail_typed_without_hanging():
+    """The llm's one-answer ops (GrpcDecodeClient.op: canary, prefix, release) on the shared stream to a server
+    that is not there: a typed Unavailable well before the timeout, not a hang; the hub closes promptly."""
+    from hetserve import errors
+    from hetserve.stages.grpc_decode import GrpcDecodeClient
+
+    client = GrpcDecodeClient()
+    url = "127.0.0.1:1"
+    try:
+        t0 = time.time()
+        with pytest.raises(errors.Unavailable, match="127.0.0.1:1"):
+            client.op(url, "canary", 20.0)
+        assert client.held_tokens([url], [1, 2, 3], 5.0) == {}
+        client.release(url, "r-gone")  # not waited on, never raises
+        assert time.time() - t0 < 15
+    finally:
+        t0 = time.time()
+        client.close()
+        assert time.time() - t0 < 6
+
+
 def test_transports_started_with_the_server():
     """HETSERVE_KV_PREPARE: which senders/receivers start with the server instead of in their first request."""
     assert to_prepare("default", "grpc") == ()  # the baseline has nothing to start

@@ -241,7 +241,9 @@ def log_if_ours(log, exc: BaseException, what: str, request_id: str = "") -> Non
 
 
 def bls_error(model: str, resp) -> errors.HetserveError:
-    """A BLS response's error as the typed error (the Triton error code survives BLS)."""
+    """A BLS response's Triton error as a typed error. Triton 2.51's BLS reports every error code as INTERNAL
+    (triton-inference-server/server#7804), so a caller that must keep the kind asks the model for its `error`
+    output (the failure as data; llm._bls, kv_ingest -> decode) and this is what is left for anything else."""
     err = resp.error()
     code = next((n for n in ("INVALID_ARG", "UNAVAILABLE", "INTERNAL", "NOT_FOUND", "UNSUPPORTED", "CANCELLED")
                  if getattr(pb_utils.TritonError, n, None) == err.code()), "INTERNAL")

@@ -31,7 +31,7 @@ from ..model.checkpoint import LlamaConfig
 from ..reliability import CircuitBreaker, DecodePool, canary_check
 from ..sampling import MAX_CHOICES, TokenLogprobs
 from ..stages.grpc_decode import GrpcDecodeClient
-from ..stages.orchestrator import TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
+from ..stages.orchestrator import REQUEST_ERRORS_METRIC, TRANSFER_FAILED_METRIC, Orchestrator, OrchestratorConfig
 from ..stages.router import (
     PREFILL_PLACEMENT_METRIC,
     ROUTER_HIT_TOKENS_METRIC,
@@ -63,10 +63,19 @@ log = logging.getLogger("hetserve.llm")
 
 
 def _bls(model, inputs, outputs):
-    resp = pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs).exec()
+    """One BLS request that asks for failures as data (request parameter errors.ERROR_DATA_PARAM, the `error`
+    output): the kind stays intact, where Triton 2.51's BLS makes every error code INTERNAL
+    (triton-inference-server/server#7804)."""
+    resp = pb_utils.InferenceRequest(model_name=model, inputs=inputs,
+                                     requested_output_names=outputs + [errors.ERROR_OUTPUT],
+                                     parameters={errors.ERROR_DATA_PARAM: True}).exec()
     if resp.has_error():
         raise bls_error(model, resp)
-    return {n: pb_utils.get_output_tensor_by_name(resp, n).as_numpy() for n in outputs}
+    data = pb_utils.get_output_tensor_by_name(resp, errors.ERROR_OUTPUT)
+    if data is not None:
+        raise errors.from_wire(bytes(data.as_numpy().reshape(-1)[0]))
+    return {n: (None if (t := pb_utils.get_output_tensor_by_name(resp, n)) is None else t.as_numpy())
+            for n in outputs}
 
 
 def _wants_stream(r) -> bool:
@@ -176,6 +185,8 @@ class TritonPythonModel:
         self._workers = concurrent.futures.ThreadPoolExecutor(self.max_inflight, thread_name_prefix="llm-request")
         REGISTRY.set("hetserve_breaker_state", 0)
         REGISTRY.declare(TRANSFER_FAILED_METRIC, reason="transfer_failed", transport="grpc")
+        for kind in errors.KINDS:
+            REGISTRY.declare(REQUEST_ERRORS_METRIC, kind=kind)
         breaker = CircuitBreaker.from_env(on_state=lambda st: REGISTRY.set("hetserve_breaker_state", st))
         self.decode_client = GrpcDecodeClient()
         # the health canary rides the decode client's shared stream: a canary that times out on a stalled server

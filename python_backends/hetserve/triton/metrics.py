@@ -103,6 +103,8 @@ _SPECS = {
                                                      "told to recompute at once)", None),
     "hetserve_migrations_total": ("counter", "Streams moved to another decode server mid-generation", None),
     "hetserve_breaker_rejections_total": ("counter", "Requests refused at once by the circuit breaker", None),
+    "hetserve_request_errors_total": ("counter", "Requests the llm ended with an error, by kind (hetserve.errors: "
+                                                 "bad_input, overloaded, unavailable, internal)", None),
     "hetserve_decode_servers": ("gauge", "Decode servers in the pool by health", None),
     "hetserve_utilization_ratio": ("gauge", "Fraction of wall time the engine was busy (5 s window)", None),
 }
@@ -123,6 +125,7 @@ class Registry:
         self._lock = threading.Lock()
         self._op_lock = threading.Lock()
         self.enabled = bool(config.get("HETSERVE_METRICS"))
+        self._unknown: set = set()
 
     def metric(self, name: str, **labels):
         key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
@@ -149,6 +152,10 @@ class Registry:
         try:
             with self._op_lock:  # one metric IPC to the Triton core at a time (request threads + poller)
                 fn()
+        except KeyError as e:  # a name missing from _SPECS: our bug, said once (tests/test_layering.py guards)
+            if e.args and e.args[0] not in self._unknown:
+                self._unknown.add(e.args[0])
+                log.error("metric %s is not declared in triton/metrics.py _SPECS; it is not exported", e.args[0])
         except Exception:  # metrics must never fail a request
             log.debug("metric update failed", exc_info=True)
 

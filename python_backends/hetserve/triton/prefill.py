@@ -26,7 +26,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .. import config, diagnostics, schema
+from .. import config, diagnostics, errors, schema
 from ..engines.manifest import configured_engines
 from ..engines.runtime import load_engine
 from ..kv.prefix import PrefixCache
@@ -41,11 +41,13 @@ from .common import (
     RequestError,
     check_prompt,
     engine_dir,
+    error_tensor,
     grammar_matchers,
     internal_token_ok,
     is_admin,
     log_if_ours,
     logprob_tensors,
+    request_parameters,
     send_error,
     start_admin_channel,
     str_tensor,
@@ -58,16 +60,33 @@ log = logging.getLogger("hetserve.prefill")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def _answer_error(sender, exc, request_id: str = "") -> None:
+def _answer_error(sender, exc, request_id: str = "", as_data: bool = False) -> None:
+    """Prefill answers once. A caller that sets the request parameter errors.ERROR_DATA_PARAM (the llm's BLS hop)
+    gets the typed error as data (the `error` output) in that response: Triton 2.51's BLS turns every error code
+    into INTERNAL (triton-inference-server/server#7804), so a refusal would reach the llm's client as our
+    failure. Anyone else gets the Triton error of its kind."""
     log_if_ours(log, exc, "prefill", request_id)
-    send_error(sender, exc, as_data=False)  # prefill answers once (BLS reads the Triton error code)
+    if not as_data:
+        send_error(sender, exc, as_data=False)
+        return
+    try:
+        sender.send(pb_utils.InferenceResponse([error_tensor(errors.from_exception(exc, "prefill"))]), flags=FINAL)
+    except Exception as e:  # the caller is gone or was answered already
+        log.info("prefill error response not sent (%s): %s", e, exc)
+
+
+def _wants_error_data(r) -> bool:
+    try:
+        return request_parameters(r).get(errors.ERROR_DATA_PARAM) is True
+    except ValueError:  # unreadable parameters: the plain Triton error
+        return False
 
 
 class _Reply:
     """stages.prefill.PrefillReply over a request's response sender: exactly one FINAL response."""
 
-    def __init__(self, sender, request_id: str):
-        self.sender, self.request_id = sender, request_id
+    def __init__(self, sender, request_id: str, errors_as_data: bool = False):
+        self.sender, self.request_id, self.errors_as_data = sender, request_id, errors_as_data
 
     def done(self, o: PrefillOutcome) -> None:
         REGISTRY.inc("hetserve_prefill_requests_total")
@@ -93,7 +112,7 @@ class _Reply:
         ]), flags=FINAL)
 
     def error(self, exc: BaseException) -> None:
-        _answer_error(self.sender, exc, self.request_id)
+        _answer_error(self.sender, exc, self.request_id, self.errors_as_data)
 
 
 class TritonPythonModel:
@@ -168,7 +187,7 @@ class TritonPythonModel:
         self.busy.add(seconds)
         REGISTRY.observe("hetserve_prefill_batch_size", len(plan.rows))
 
-    def _queue(self, r, sender) -> None:
+    def _queue(self, r, sender, errors_as_data: bool) -> None:
         """Read a prefill request's tensors and hand it to the stage (answered later through the reply)."""
         t = tensors_of(r, "prefill")  # one pass over the request's inputs
         ids_a = t.get("input_ids")
@@ -189,15 +208,16 @@ class TritonPythonModel:
                            n=schema.scalar(t, "num_return_sequences", 1, int),
                            prompt_logprobs=bool(schema.scalar(t, "return_prompt_log_probs", False)),
                            kv_skip_tokens=schema.scalar(t, "kv_skip_tokens", 0, int))
-        self.stage.submit(call, _Reply(sender, call.request_id))
+        self.stage.submit(call, _Reply(sender, call.request_id, errors_as_data))
 
     def execute(self, requests):
         """Every request is answered through its response sender: prefill when its prompt is done (by the
         batcher thread), bad input at once with INVALID_ARG, a full queue UNAVAILABLE."""
         for r in requests:
             sender = r.get_response_sender()
+            as_data = _wants_error_data(r)
             try:
-                self._queue(r, sender)
+                self._queue(r, sender, as_data)
             except Exception as e:
-                _answer_error(sender, e, r.request_id())
+                _answer_error(sender, e, r.request_id(), as_data)
         return None
