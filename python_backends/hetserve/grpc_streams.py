@@ -161,9 +161,6 @@ class Answer:
         if not self._fut.done():
             self._fut.set_result(item)
 
-    def done(self) -> bool:
-        return self._fut.done()
-
     def result(self, timeout_s: float):
         """The InferResult. Raises TimeoutError when none came within timeout_s (then forgets the request), the
         typed error the server answered with (errors.HetserveError), or errors.Unavailable when the call

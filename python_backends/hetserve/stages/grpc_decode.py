@@ -165,7 +165,7 @@ class GrpcDecodeStream:
             return
         rid = self._rid
 
-        def go() -> None:  # after _run made the queue (call_soon_threadsafe is FIFO after start's scheduling)
+        def go() -> None:  # on the loop: if _run has not started yet, it sees _closed and sends nothing
             if self._more is not None:
                 self._more.put_nowait(cancel_request(rid))
         self.hub.loop.call_soon_threadsafe(go)

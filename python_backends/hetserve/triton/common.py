@@ -240,6 +240,25 @@ def log_if_ours(log, exc: BaseException, what: str, request_id: str = "") -> Non
         log.error("%s failed (request %s): %s", what, request_id or "-", exc, exc_info=exc)
 
 
+def wants_error_data(r) -> bool:
+    """The caller wants typed errors as data, the `error` output (request parameter errors.ERROR_DATA_PARAM):
+    a stream reader of the llm, or the llm's own BLS hop to prefill."""
+    try:
+        return request_parameters(r).get(errors.ERROR_DATA_PARAM) is True
+    except ValueError:  # unreadable parameters: the plain Triton error
+        return False
+
+
+def raise_bls_failure(model: str, resp) -> None:
+    """Raise the failure a BLS response carries: the typed error as data (the `error` output, kind intact), else
+    its Triton error (bls_error)."""
+    data = pb_utils.get_output_tensor_by_name(resp, errors.ERROR_OUTPUT)
+    if data is not None:
+        raise errors.from_wire(bytes(data.as_numpy().reshape(-1)[0]))
+    if resp.has_error():
+        raise bls_error(model, resp)
+
+
 def bls_error(model: str, resp) -> errors.HetserveError:
     """A BLS response's Triton error as a typed error. Triton 2.51's BLS reports every error code as INTERNAL
     (triton-inference-server/server#7804), so a caller that must keep the kind asks the model for its `error`

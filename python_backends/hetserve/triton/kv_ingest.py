@@ -31,12 +31,12 @@ from ..kv.transport.negotiate import local_offer
 from ..stages.decode import TRANSFER_FAILURES_METRIC, refused_kv
 from .common import (
     RequestError,
-    bls_error,
     check_kv_tokens,
     engine_dir,
     ingest_token,
     inp,
     kv_transport_of,
+    raise_bls_failure,
     respond_each,
     scalar,
     str_tensor,
@@ -167,12 +167,8 @@ class TritonPythonModel:
                     str_tensor("ingest_token", [self.token]),
                     pb_utils.Tensor("kv_header", raw), pb_utils.Tensor("kv_payload", payload)],
             requested_output_names=["token_ids", errors.ERROR_OUTPUT])
-        for resp in req.exec(decoupled=True):
-            data = pb_utils.get_output_tensor_by_name(resp, errors.ERROR_OUTPUT)
-            if data is not None:  # decode's typed error (send_error); its final Triton error follows
-                raise errors.from_wire(bytes(data.as_numpy().reshape(-1)[0]))
-            if resp.has_error():
-                raise bls_error("decode", resp)
+        for resp in req.exec(decoupled=True):  # decode's typed error (send_error) comes before its Triton error
+            raise_bls_failure("decode", resp)
         return pb_utils.InferenceResponse([pb_utils.Tensor("kv_tokens", np.array([hdr.num_tokens], np.int32))])
 
     def execute(self, requests):

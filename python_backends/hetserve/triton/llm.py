@@ -46,15 +46,15 @@ from ..tokenizer import encode_prompt
 from .common import (
     PREFILL_HOP,
     RequestError,
-    bls_error,
     engine_dir,
     internal_token,
     log_if_ours,
-    request_parameters,
+    raise_bls_failure,
     send_error,
     str_tensor,
     tensors_of,
     tokenizer,
+    wants_error_data,
 )
 from .metrics import REGISTRY
 from .streaming import ChoiceSender, TextStreamer
@@ -69,11 +69,7 @@ def _bls(model, inputs, outputs):
     resp = pb_utils.InferenceRequest(model_name=model, inputs=inputs,
                                      requested_output_names=outputs + [errors.ERROR_OUTPUT],
                                      parameters={errors.ERROR_DATA_PARAM: True}).exec()
-    if resp.has_error():
-        raise bls_error(model, resp)
-    data = pb_utils.get_output_tensor_by_name(resp, errors.ERROR_OUTPUT)
-    if data is not None:
-        raise errors.from_wire(bytes(data.as_numpy().reshape(-1)[0]))
+    raise_bls_failure(model, resp)
     return {n: (None if (t := pb_utils.get_output_tensor_by_name(resp, n)) is None else t.as_numpy())
             for n in outputs}
 
@@ -86,16 +82,9 @@ def _wants_stream(r) -> bool:
         return False
 
 
-def _wants_error_data(r) -> bool:
-    """The client reads a stream and wants typed errors as data (request parameter errors.ERROR_DATA_PARAM)."""
-    try:
-        return request_parameters(r).get(errors.ERROR_DATA_PARAM) is True
-    except ValueError:  # unreadable parameters: the plain single answer
-        return False
-
 
 def _errors_as_data(r) -> bool:
-    return _wants_stream(r) or _wants_error_data(r)
+    return _wants_stream(r) or wants_error_data(r)
 
 
 class BlsPrefill:
@@ -276,7 +265,7 @@ class TritonPythonModel:
                 cls = Sink if streaming else WholeAnswer
                 streamer = cls(ChoiceSender(sender, n) if n > 1 else sender, tokenizer(), params,
                                self.cfg.eos_token_ids, model="llm")
-                streamer.error_data = _wants_error_data(r)
+                streamer.error_data = wants_error_data(r)
                 precision = schema.scalar(t, "decode_precision", None, str) or self.default_precision
                 transport = schema.scalar(t, "transport", None, str) or None
                 kv_dtype = schema.scalar(t, "kv_dtype", None, str) or None

@@ -47,12 +47,12 @@ from .common import (
     is_admin,
     log_if_ours,
     logprob_tensors,
-    request_parameters,
     send_error,
     start_admin_channel,
     str_tensor,
     tensors_of,
     tokenizer,
+    wants_error_data,
 )
 from .metrics import REGISTRY, BusyMeter, Poller, declare_transfer_failures, gauges, transfer_failure_reason
 
@@ -73,13 +73,6 @@ def _answer_error(sender, exc, request_id: str = "", as_data: bool = False) -> N
         sender.send(pb_utils.InferenceResponse([error_tensor(errors.from_exception(exc, "prefill"))]), flags=FINAL)
     except Exception as e:  # the caller is gone or was answered already
         log.info("prefill error response not sent (%s): %s", e, exc)
-
-
-def _wants_error_data(r) -> bool:
-    try:
-        return request_parameters(r).get(errors.ERROR_DATA_PARAM) is True
-    except ValueError:  # unreadable parameters: the plain Triton error
-        return False
 
 
 class _Reply:
@@ -215,7 +208,7 @@ class TritonPythonModel:
         batcher thread), bad input at once with INVALID_ARG, a full queue UNAVAILABLE."""
         for r in requests:
             sender = r.get_response_sender()
-            as_data = _wants_error_data(r)
+            as_data = wants_error_data(r)
             try:
                 self._queue(r, sender, as_data)
             except Exception as e:
