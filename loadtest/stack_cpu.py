@@ -28,6 +28,8 @@ One command does everything:
   6. tears everything down on exit, error, Ctrl-C or SIGTERM: `up` is stopped (SIGINT, as a user would), then any
      process left of its tree is SIGKILLed by id (this script is a child subreaper, so orphans stay in its tree),
      and /dev/shm regions created during the run that no process maps any more are removed.
+  7. with each window it reads hetserve_engine_cpu_seconds_total from the servers' /metrics (CPU inside engine
+     calls, engines/cpu_clock.py) and reports the serving plane's CPU: the stack's minus the engines'.
 
     python3 loadtest/stack_cpu.py                                  # both paths, 32 clients, 20 s windows
     python3 loadtest/stack_cpu.py --paths generate --rounds 2 --json /tmp/stack.json
@@ -578,6 +580,26 @@ def clean_shm(before: set) -> List[str]:
     return notes
 
 
+def engine_cpu(a) -> Dict[str, float]:
+    """{model: CPU seconds inside engine calls} summed over the prefill and first decode server
+    (hetserve_engine_cpu_seconds_total, engines/cpu_clock.py; refreshed every HETSERVE_METRICS_INTERVAL_S, 1 s by
+    default, so a window's figure is off by up to that much engine time at each end)."""
+    import urllib.request
+
+    out: Dict[str, float] = defaultdict(float)
+    for port in (a.base_port + 2, a.base_port + 1002):
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("hetserve_engine_cpu_seconds_total{"):
+                labels, _, value = line.rpartition(" ")
+                model = labels.split('model="', 1)[1].split('"', 1)[0] if 'model="' in labels else "?"
+                out[model] += float(value)
+    return dict(out)
+
+
 def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: str) -> dict:
     snaps = {}
     me = os.getpid()
@@ -596,6 +618,7 @@ def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: st
             snaps["perf"] = start_perf(prof_dir, a.duration, tag)
             time.sleep(0.5)  # let py-spy attach before the window opens
         snaps["a"] = snapshot(stack)
+        snaps["eng_a"] = engine_cpu(a)
         snaps["me_a"] = cpu_s(me)
         snaps["box_a"] = box_busy_s()
         snaps["load_a"] = os.getloadavg()
@@ -604,6 +627,7 @@ def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: st
 
     def on_end():
         snaps["b"] = snapshot(stack)
+        snaps["eng_b"] = engine_cpu(a)
         snaps["me_b"] = cpu_s(me)
         snaps["box_b"] = box_busy_s()
         snaps["load_b"] = os.getloadavg()
@@ -636,6 +660,8 @@ def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: st
     box_s = snaps["box_b"][0] - snaps["box_a"][0]
     box_elapsed = snaps["box_b"][1] - snaps["box_a"][1]
     lat = sorted(res["lat"])
+    eng = {m: snaps["eng_b"].get(m, 0.0) - v for m, v in snaps["eng_a"].items()}
+    eng_s = sum(eng.values())
     out = {
         "path": path.name, "tag": tag, "url": path.url, "profiled": profile, "window_s": round(w, 3),
         "requests_ok": n, "errors": dict(Counter(res["errors"]).most_common()), "req_per_s": round(n / w, 2),
@@ -645,6 +671,8 @@ def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: st
                                "counted": len(res["tokens"])},
         "stack_cpu_ms_per_request": round(stack_s * 1e3 / n, 3) if n else None,
         "stack_cpu_cores": round(stack_s / w, 3),
+        "engine_cpu_ms_per_request": {m: round(s_ * 1e3 / n, 3) for m, s_ in eng.items()} if n else {},
+        "serving_plane_cpu_ms_per_request": round((stack_s - eng_s) * 1e3 / n, 3) if n else None,
         "by_role_ms_per_request": {r: round(c * 1e3 / n, 3) if n else None for r, c in by_role.most_common()},
         "by_role_cores": {r: round(c / w, 3) for r, c in by_role.most_common()},
         "processes": [{"pid": p, "role": r, "cpu_s": round(c, 3)} for p, (r, c) in
@@ -705,6 +733,10 @@ def print_window(r: dict) -> None:
     for role, ms in r["by_role_ms_per_request"].items():
         print(f"   {role:<32} {ms:>10.3f} {r['by_role_cores'][role]:>7.3f}")
     print(f"   {'STACK TOTAL':<32} {r['stack_cpu_ms_per_request']:>10.3f} {r['stack_cpu_cores']:>7.3f}")
+    for m, ms in (r.get("engine_cpu_ms_per_request") or {}).items():
+        print(f"   {'  of it in engine calls: ' + m:<32} {ms:>10.3f}")
+    if r.get("serving_plane_cpu_ms_per_request") is not None:
+        print(f"   {'SERVING PLANE (stack - engines)':<32} {r['serving_plane_cpu_ms_per_request']:>10.3f}")
     print(f"   {'(load generator, excluded)':<32} {r['loadgen_cpu_ms_per_request']:>10.3f} "
           f"{r['loadgen_cpu_cores']:>7.3f}")
     if r["profiled"]:
@@ -761,6 +793,8 @@ def print_summary(results: List[dict]) -> None:
     row("errors", [sum(r["errors"].values()) for r in results], "d")
     row("latency p50 ms", [r["latency_ms"]["p50"] for r in results], ".1f")
     row("STACK CPU ms/request", [r["stack_cpu_ms_per_request"] for r in results], ".2f")
+    row("  in engine calls", [sum((r.get("engine_cpu_ms_per_request") or {}).values()) for r in results], ".3f")
+    row("SERVING PLANE ms/request", [r.get("serving_plane_cpu_ms_per_request") for r in results], ".2f")
     for k in roles:
         row("  " + k[:28], [r["by_role_ms_per_request"].get(k, 0.0) for r in results], ".3f")
     row("load generator ms/request", [r["loadgen_cpu_ms_per_request"] for r in results], ".2f")

@@ -29,10 +29,10 @@ PREFILL_METRICS = ("hetserve_ttft_seconds", "hetserve_tpot_seconds", "hetserve_k
                    "hetserve_kv_transfer_failures_total", "hetserve_kv_transport_fallbacks_total",
                    "hetserve_kv_prefix_hits_total",
                    "hetserve_kv_prefix_lookups_total", "hetserve_utilization_ratio", "hetserve_breaker_state",
-                   "hetserve_decode_servers")
+                   "hetserve_decode_servers", "hetserve_engine_cpu_seconds_total")
 DECODE_METRICS = ("hetserve_kv_recompute_total", "hetserve_batch_size", "hetserve_queue_depth",
                   "hetserve_kv_transfer_failures_total", "hetserve_utilization_ratio", "hetserve_kv_tier_blocks",
-                  "hetserve_snapshot_age_seconds", "hetserve_kv_preemptions_total")
+                  "hetserve_snapshot_age_seconds", "hetserve_kv_preemptions_total", "hetserve_engine_cpu_seconds_total")
 TRITON_METRICS = ("nv_inference_request_success", "nv_inference_request_duration_us", "nv_cpu_utilization")
 
 def names(samples: dict) -> set:
@@ -68,7 +68,11 @@ def test_custom_metrics_count_real_traffic(topology, prompt_ids, engine_dir):
         ok = (total(p, "hetserve_ttft_seconds_count", model="llm") - total(before_p, "hetserve_ttft_seconds_count",
                                                                               model="llm") >= 3
               and total(p, "hetserve_ttft_seconds_count", model="aggregated")
-              > total(before_p, "hetserve_ttft_seconds_count", model="aggregated"))
+              > total(before_p, "hetserve_ttft_seconds_count", model="aggregated")
+              # engine CPU (engines/cpu_clock.py) of every model that ran an engine, sampled every second
+              and all(total(s, "hetserve_engine_cpu_seconds_total", model=m)
+                      > total(b, "hetserve_engine_cpu_seconds_total", model=m)
+                      for s, b, m in ((p, before_p, "prefill"), (p, before_p, "aggregated"), (d, before_d, "decode"))))
         return (p, d) if ok else None
 
     p, d = wait_for(grown, 15, "TTFT histogram to count the requests")

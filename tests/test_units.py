@@ -243,3 +243,20 @@ def test_python_env_dirs_left_by_killed_servers_are_swept_only_when_no_tritonser
     assert (tmp_path / "python_env_aaaaaa").exists()
     assert sweep_python_envs(tmp_path, alive=lambda: False) == ["python_env_aaaaaa"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other_dir", "python_env_bbbbbb"]
+
+
+def test_engine_cpu_clock_counts_the_calling_threads_cpu_not_its_waiting():
+    """engines/cpu_clock.py: CPU work inside timed() is counted, sleeping inside it is not."""
+    import time
+
+    from hetserve.engines.cpu_clock import EngineCpuClock
+
+    clock = EngineCpuClock()
+    with clock.timed():
+        time.sleep(0.2)
+    assert clock.seconds() < 0.05
+    with clock.timed():
+        t = time.thread_time()
+        while time.thread_time() - t < 0.1:
+            pass
+    assert 0.1 <= clock.seconds() < 0.3

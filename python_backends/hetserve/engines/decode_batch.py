@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from .cpu_clock import ENGINE_CPU
 from .feeds import NEG_INF
 
 CAP_CHUNK = 64  # standard graph: past length fed every step, so grow in small steps
@@ -203,7 +204,8 @@ class GqaBatch(_Batch):
         self._ids[:n, 0] = tokens
         self._seqlens[:n] = self.lens[:n]  # past length + 1 - 1
         self._total[()] = need
-        self._sess.run_with_iobinding(self._io)
+        with ENGINE_CPU.timed():
+            self._sess.run_with_iobinding(self._io)
         self.lens[:n] += 1
         return self._logits[:n]
 

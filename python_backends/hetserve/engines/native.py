@@ -37,6 +37,7 @@ import numpy as np
 
 from .. import config
 from .build_plan import chunk_rows
+from .cpu_clock import ENGINE_CPU
 
 log = logging.getLogger("hetserve.native")
 
@@ -518,7 +519,8 @@ class NativeModel:
         with self._lock:
             if self._scratch is None:
                 raise RuntimeError("native engine closed")
-            rc = self.lib.hs_forward(self.model, self._scratch, b)
+            with ENGINE_CPU.timed():
+                rc = self.lib.hs_forward(self.model, self._scratch, b)
         if rc:
             raise NativeCallRefused("native engine refused the call", rc, error_text(self.lib, rc))
         return logits[:len(out_idx)]

@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import config
 from ..model.checkpoint import LlamaConfig
+from .cpu_clock import ENGINE_CPU
 from .feeds import NEG_INF, EngineError, causal_mask  # noqa: F401  (re-exported: the engines' API)
 from .manifest import read_manifest, resolve_engine
 
@@ -170,7 +171,8 @@ class Engine:
         if self._score_view and "score_rows" not in feeds:
             B, T = feeds["input_ids"].shape
             feeds["score_rows"] = np.arange(B, dtype=np.int64) * T + feeds["last_index"]
-        lo, k, v = self._sess.run(None, feeds)
+        with ENGINE_CPU.timed():
+            lo, k, v = self._sess.run(None, feeds)
         return lo, k, v
 
     def score(self, input_ids, position_ids, attention_mask, past_key, past_value, rows: np.ndarray):
@@ -263,7 +265,8 @@ class Engine:
         for li in range(L):
             feeds[pk[li]] = empty if past_k is None else np.ascontiguousarray(past_k[:, li], np.float32)
             feeds[pv[li]] = empty if past_v is None else np.ascontiguousarray(past_v[:, li], np.float32)
-        out = self._sess.run(None, feeds)
+        with ENGINE_CPU.timed():
+            out = self._sess.run(None, feeds)
         if B == 1 or not lens.any():
             k = np.stack([o[:, :, lens[0]:lens[0] + T] for o in out[1:1 + L]], axis=1)
             v = np.stack([o[:, :, lens[0]:lens[0] + T] for o in out[1 + L:]], axis=1)

@@ -37,7 +37,7 @@ class TritonPythonModel:
         self.work = BoundedExecutor(2, int(config.get("HETSERVE_MAX_QUEUE")), "aggregated")
         self.busy = BusyMeter()
         self.poller = Poller(lambda: {"busy_seconds": self.busy.total() + self.sched.stats["step_seconds"]},
-                             "aggregated")
+                             "aggregated", engine_cpu=True)
         tokenizer()
 
     def finalize(self):

@@ -195,7 +195,7 @@ class TritonPythonModel:
             REGISTRY.declare("hetserve_kv_recompute_total", reason=reason)
         for name in ("hetserve_kv_preemptions_total", "hetserve_snapshot_restores_total"):
             REGISTRY.declare(name)
-        self.poller = Poller(self._sample_metrics, "decode")
+        self.poller = Poller(self._sample_metrics, "decode", engine_cpu=True)
         self.admin = start_admin_channel(config.get("HETSERVE_DECODE_ADMIN"), "decode", self.stage.admin_ops())
 
     def _sample_metrics(self) -> dict:

@@ -36,6 +36,7 @@ useful, `model`. Names are part of the deployment contract (alerts, Grafana, tes
   hetserve_snapshot_restores_total, hetserve_migrations_total, hetserve_breaker_rejections_total  counters
   hetserve_decode_servers          gauge      {state=healthy|down} decode servers in the orchestrator's pool
   hetserve_utilization_ratio       gauge      fraction of wall time the engine was busy (5 s window)
+  hetserve_engine_cpu_seconds_total counter   {model} CPU seconds inside engine calls (engines/cpu_clock.py)
 
 Metric updates are IPC calls to the Triton core, so per-request/per-step granularity is fine, per-element is not.
 Sampled values (gauges, counters owned by other components) are refreshed by a background poller.
@@ -50,6 +51,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import triton_python_backend_utils as pb_utils
 
 from .. import config
+from ..engines.cpu_clock import ENGINE_CPU
 
 log = logging.getLogger("hetserve.metrics")
 
@@ -107,6 +109,8 @@ _SPECS = {
                                                  "bad_input, overloaded, unavailable, internal)", None),
     "hetserve_decode_servers": ("gauge", "Decode servers in the pool by health", None),
     "hetserve_utilization_ratio": ("gauge", "Fraction of wall time the engine was busy (5 s window)", None),
+    "hetserve_engine_cpu_seconds_total": ("counter", "CPU seconds inside engine calls (the model's cost; the rest of "
+                                                     "the process's CPU is the serving plane's)", None),
 }
 
 _KINDS = {"counter": "COUNTER", "gauge": "GAUGE", "histogram": "HISTOGRAM"}
@@ -215,13 +219,17 @@ class Poller:
     """Background refresh of sampled metrics every `interval_s`.
 
     sample() returns {"gauges": {(name, labels-tuple): value}, "counters": {(name, labels-tuple): total},
-    "busy_seconds": float}; monotone counter totals are turned into increments here.
+    "busy_seconds": float}; monotone counter totals are turned into increments here. engine_cpu: the process
+    runs engines; its hetserve_engine_cpu_seconds_total{model=component} is exported (declared at 0).
     """
 
     def __init__(self, sample: Callable[[], dict], component: str, interval_s: Optional[float] = None,
-                 registry: Registry = REGISTRY):
+                 registry: Registry = REGISTRY, engine_cpu: bool = False):
         self.sample = sample
         self.component = component
+        self.engine_cpu = engine_cpu
+        if engine_cpu:
+            registry.declare("hetserve_engine_cpu_seconds_total", model=component)
         self.interval = interval_s or float(config.get("HETSERVE_METRICS_INTERVAL_S"))
         self.window = float(config.get("HETSERVE_UTILIZATION_WINDOW_S"))
         self.reg = registry
@@ -242,7 +250,10 @@ class Poller:
         s = self.sample() or {}
         for (name, labels), v in s.get("gauges", {}).items():
             self.reg.set(name, v, **dict(labels))
-        for key, total in s.get("counters", {}).items():
+        counters = dict(s.get("counters", {}))
+        if self.engine_cpu:
+            counters[("hetserve_engine_cpu_seconds_total", (("model", self.component),))] = ENGINE_CPU.seconds()
+        for key, total in counters.items():
             prev = self._last.get(key, 0.0)
             if total > prev:
                 self.reg.inc(key[0], total - prev, **dict(key[1]))

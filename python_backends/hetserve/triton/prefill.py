@@ -141,7 +141,7 @@ class TritonPythonModel:
             sender = self.stage.sender
             threading.Thread(target=lambda: [sender.prepare(t) for t in prepare], daemon=True,
                              name="kv-transport-prepare").start()
-        self.poller = Poller(self._sample_metrics, "prefill")
+        self.poller = Poller(self._sample_metrics, "prefill", engine_cpu=True)
         self.admin = start_admin_channel(config.get("HETSERVE_PREFILL_ADMIN"), "prefill",
                                          {op: (lambda a, op=op: diagnostics.prefill_op(self.stage, op, a, tokenizer))
                                           for op in diagnostics.PREFILL_OPS})
