@@ -56,19 +56,21 @@ class GrpcDecodeStream:
 
     def __init__(self, url: str, hub: StreamHub):
         self.url, self.hub = url, hub
-        self.q: "queue.Queue" = queue.Queue(MAX_BUFFERED)
+        # filled by the hub's loop thread only (one producer), so the bound is a size check before each put
+        self.q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._task: Any = None
         self._closed = False
+        self._ended = False  # the reader got the final response or an error: nothing of it is left on the server
         self._rid: Optional[str] = None
         self._more: Any = None  # asyncio.Queue on the loop: op=cancel to write, None to close our half
 
     def put(self, item) -> None:
         if self._closed:
             return
-        try:
-            self.q.put_nowait(item)
-        except queue.Full:  # the consumer is gone or stuck: drop, it fails on its step timeout
+        if self.q.qsize() >= MAX_BUFFERED:  # the consumer is gone or stuck: drop, it fails on its step timeout
             log.warning("decode stream buffer full (%d responses); dropping one", MAX_BUFFERED)
+            return
+        self.q.put_nowait(item)
 
     def start(self, req: DecodeRequest) -> None:
         import asyncio
@@ -124,6 +126,7 @@ class GrpcDecodeStream:
                 try:
                     chunk = self._chunk(*item)
                 except Exception:
+                    self._ended = True
                     if ids:  # tokens that arrived before the error still count (a migration resumes after them)
                         yield TokenChunk(ids, None, lps)
                     raise
@@ -132,6 +135,7 @@ class GrpcDecodeStream:
                     lps = lps or TokenLogprobs()
                     lps.extend(chunk.logprobs)
                 if chunk.finish_reason is not None:
+                    self._ended = True
                     yield TokenChunk(ids, chunk.finish_reason, lps)
                     return
                 try:
@@ -197,6 +201,8 @@ class SharedStreamRequest(GrpcDecodeStream):
     def close(self, cancel: bool = False) -> None:
         self._closed = True
         rid = self._rid
+        if self._ended and self._stream is not None:
+            return  # its final response or error came: the stream's router dropped it then, nothing to end
 
         def go() -> None:
             s = self._stream
