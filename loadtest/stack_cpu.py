@@ -467,8 +467,9 @@ def _log_tail(path: Path, n: int = 3000) -> str:
         return ""
 
 
-def start_up(a, tree: Path, ckpt: Path, engine_dir: Path, work: Path):
-    log_path = work / f"up-{a.base_port}.log"
+def start_up(a, tree: Path, ckpt: Path, engine_dir: Path, work: Path, base_port: Optional[int] = None):
+    base_port = a.base_port if base_port is None else base_port
+    log_path = work / f"up-{base_port}.log"
     log = open(log_path, "wb")
     env = dict(os.environ)
     for kv in a.env:
@@ -476,7 +477,7 @@ def start_up(a, tree: Path, ckpt: Path, engine_dir: Path, work: Path):
         env[k] = v
     a.up_env = [kv.partition("=")[0] for kv in a.env]
     cmd = [sys.executable, "-m", "hetserve", "up", "--checkpoint", str(ckpt), "--engine-dir", str(engine_dir),
-           "--base-port", str(a.base_port), "--prompt", "Hello", "--max-tokens", str(a.max_tokens)]
+           "--base-port", str(base_port), "--prompt", "Hello", "--max-tokens", str(a.max_tokens)]
     if a.no_pin:
         cmd.append("--no-pin")
     shown = [f"{k}={env[k]}" for k in a.up_env] + ["python"] + cmd[1:]
@@ -505,25 +506,28 @@ def openai_model(url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def teardown(proc, stack: Optional[Stack], shm_before: set) -> List[str]:
-    """Stop `up` as a user would (SIGINT to it: it stops its servers and the frontend), then SIGKILL by id any
-    process of its tree still alive, then remove /dev/shm regions new since the start that nobody maps."""
+def teardown(procs: list, stacks: list, shm_before: set) -> List[str]:
+    """Stop every `up` as a user would (SIGINT to it: it stops its servers and the frontend), then SIGKILL by id
+    any process of their trees still alive, then remove /dev/shm regions new since the start that nobody maps."""
     notes = []
     old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if proc is not None and proc.poll() is None:
+        running = [p for p in procs if p is not None and p.poll() is None]
+        for proc in running:
             try:
                 os.kill(proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        for proc in running:
+            try:
                 proc.wait(90)
             except subprocess.TimeoutExpired:
                 notes.append("`hetserve up` did not stop within 90 s of SIGINT: killed")
                 proc.kill()
                 proc.wait(10)
-            except ProcessLookupError:
-                pass
-        if stack is not None:
-            left = [p for p, st in stack.seen.items() if p != stack.up_pid and start_time(p) == st
-                    and (_stat(p) or ["Z"])[0] != "Z"]
+        if stacks:
+            left = [p for stack in stacks for p, st in stack.seen.items() if p != stack.up_pid
+                    and start_time(p) == st and (_stat(p) or ["Z"])[0] != "Z"]
             left += [p for p in descendants(os.getpid()) if p not in left and (_stat(p) or ["Z"])[0] != "Z"]
             for p in left:
                 try:
@@ -580,14 +584,14 @@ def clean_shm(before: set) -> List[str]:
     return notes
 
 
-def engine_cpu(a) -> Dict[str, float]:
+def engine_cpu(base_port: int) -> Dict[str, float]:
     """{model: CPU seconds inside engine calls} summed over the prefill and first decode server
     (hetserve_engine_cpu_seconds_total, engines/cpu_clock.py; refreshed every HETSERVE_METRICS_INTERVAL_S, 1 s by
     default, so a window's figure is off by up to that much engine time at each end)."""
     import urllib.request
 
     out: Dict[str, float] = defaultdict(float)
-    for port in (a.base_port + 2, a.base_port + 1002):
+    for port in (base_port + 2, base_port + 1002):
         try:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         except OSError:
@@ -600,8 +604,10 @@ def engine_cpu(a) -> Dict[str, float]:
     return dict(out)
 
 
-def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: str) -> dict:
+def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: str,
+            base_port: Optional[int] = None) -> dict:
     snaps = {}
+    port = a.base_port if base_port is None else base_port
     me = os.getpid()
     prof = []
 
@@ -618,7 +624,7 @@ def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: st
             snaps["perf"] = start_perf(prof_dir, a.duration, tag)
             time.sleep(0.5)  # let py-spy attach before the window opens
         snaps["a"] = snapshot(stack)
-        snaps["eng_a"] = engine_cpu(a)
+        snaps["eng_a"] = engine_cpu(port)
         snaps["me_a"] = cpu_s(me)
         snaps["box_a"] = box_busy_s()
         snaps["load_a"] = os.getloadavg()
@@ -627,7 +633,7 @@ def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: st
 
     def on_end():
         snaps["b"] = snapshot(stack)
-        snaps["eng_b"] = engine_cpu(a)
+        snaps["eng_b"] = engine_cpu(port)
         snaps["me_b"] = cpu_s(me)
         snaps["box_b"] = box_busy_s()
         snaps["load_b"] = os.getloadavg()
@@ -781,7 +787,7 @@ def print_summary(results: List[dict]) -> None:
         for k in r["by_role_ms_per_request"]:
             if k not in roles:
                 roles.append(k)
-    cols = [f"{r['path']}/{r['tag'].split('-')[0]}" for r in results]
+    cols = [f"{r['path']}/{r['tag'].rsplit('-', 1)[0]}" for r in results]
     w = max(12, *(len(c) + 1 for c in cols))
     print("\n== summary: stack CPU ms per request by role (load generator and other jobs excluded)")
     print(f"{'':<30}" + "".join(f"{c:>{w}}" for c in cols))
@@ -799,6 +805,45 @@ def print_summary(results: List[dict]) -> None:
         row("  " + k[:28], [r["by_role_ms_per_request"].get(k, 0.0) for r in results], ".3f")
     row("load generator ms/request", [r["loadgen_cpu_ms_per_request"] for r in results], ".2f")
     row("other jobs on the box, cores", [r["other_jobs_cpu_cores"] for r in results], ".2f")
+
+
+def print_pairs(results: List[dict], paths: List[str], stacks: List[dict]) -> None:
+    """--against: per path, each round's A and B windows as a pair, their differences (A - B) and the medians."""
+    print(f"\n== paired: A = {stacks[0]['rev'][:12]}, B = {stacks[1]['rev'][:12]} (A - B per round; negative: A "
+          "costs less)")
+    for p in paths:
+        pairs = []
+        for tag in dict.fromkeys(r["tag"].split("-")[0] for r in results if r["path"] == p and not r["profiled"]):
+            got = {r["stack"]: r for r in results if r["path"] == p and r["tag"].split("-")[0] == tag
+                   and not r["profiled"]}
+            if "A" in got and "B" in got:
+                pairs.append((got["A"], got["B"]))
+        if not pairs:
+            continue
+        for key, label in (("stack_cpu_ms_per_request", "stack CPU ms/request"),
+                           ("serving_plane_cpu_ms_per_request", "serving plane ms/request"),
+                           ("req_per_s", "req/s")):
+            d = [x[key] - y[key] for x, y in pairs if x.get(key) is not None and y.get(key) is not None]
+            if not d:
+                continue
+            print(f"  {p:<9} {label:<26} A {statistics.median(x[key] for x, _ in pairs):8.2f}   "
+                  f"B {statistics.median(y[key] for _, y in pairs):8.2f}   A-B per round "
+                  + " ".join(f"{v:+.2f}" for v in d)
+                  + f"   median {statistics.median(d):+.2f}, A lower in {sum(v < 0 for v in d)} of {len(d)}")
+        # The box's speed drifts between windows by up to 2x (other tenants' memory traffic), and it moves every
+        # process's CPU per request together, the engines' too: the same engine code costs as much more in a slow
+        # window. So also: the serving plane in units of the same window's engine CPU (a probe of the box's speed
+        # measured under the same load), A over B per round. Read it next to the raw figures: the engine's cost
+        # per request also falls a little as batches grow with req/s.
+        norm = []
+        for x, y in pairs:
+            ex, ey = sum(x["engine_cpu_ms_per_request"].values()), sum(y["engine_cpu_ms_per_request"].values())
+            if ex > 0 and ey > 0 and x.get("serving_plane_cpu_ms_per_request") and \
+                    y.get("serving_plane_cpu_ms_per_request"):
+                norm.append((x["serving_plane_cpu_ms_per_request"] / ex) / (y["serving_plane_cpu_ms_per_request"] / ey))
+        if norm:
+            print(f"  {p:<9} {'serving plane / engine CPU':<26} A/B per round " + " ".join(f"{v:.3f}" for v in norm)
+                  + f"   median {statistics.median(norm):.3f}, A lower in {sum(v < 1 for v in norm)} of {len(norm)}")
 
 
 def main(argv=None) -> int:
@@ -825,6 +870,11 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-dir", help="an existing build (skips making and building the checkpoint)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the tiny checkpoint")
     ap.add_argument("--rev", help="serve `git archive REV` (exported into the work dir) instead of the working tree")
+    ap.add_argument("--against", metavar="REV",
+                    help="paired comparison: also serve `git archive REV` (base port + 100, its own engine dir) and "
+                         "alternate the windows between the two stacks, A B then B A each pair of rounds, so the "
+                         "box's drift falls on both; prints the paired differences per round (A = --rev or the "
+                         "working tree, B = REV)")
     ap.add_argument("--threads", action="store_true", help="also CPU per request by thread name")
     ap.add_argument("--profile", action="store_true",
                     help="one more window per path with py-spy on the llm/decode/prefill/preprocess/kv_ingest "
@@ -889,7 +939,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
     shm_before = shm_names()
-    proc = log = stack = None
+    proc = log = None
     results: List[dict] = []
     rc = 0
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
@@ -898,26 +948,44 @@ def main(argv=None) -> int:
             "duration_s": a.duration, "warmup_s": a.warmup, "env": a.env, "cpus": os.cpu_count(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     out_json = Path(a.json) if a.json else work / f"stack_cpu-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    # the stacks measured: "A" (--rev or the working tree) and, with --against, "B" on base port + 100
+    stacks = [{"label": "A", "tree": tree, "engine_dir": engine_dir, "port": a.base_port, "rev": commit}]
+    if a.against:
+        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", a.against], check=True, capture_output=True,
+                             text=True).stdout.strip()
+        stacks.append({"label": "B", "tree": export_tree(a.against, work), "rev": sha, "port": a.base_port + 100,
+                       "engine_dir": engine_dir.with_name(f"{engine_dir.name}-{sha[:12]}")})
+        meta["against"] = sha
+    procs: list = []
+    logs: list = []
     try:
-        upargs = a
         if ckpt is None:
             raise SystemExit("--engine-dir: give --checkpoint too (the manifest does not name one)")
-        t0 = time.time()
-        proc, log, log_path = start_up(upargs, tree, ckpt, engine_dir, work)
-        stack = Stack(proc.pid)
-        wait_serving(proc, log_path, stack, timeout=600)
-        print(f"stack serving after {time.time() - t0:.0f} s (log {log_path})", file=sys.stderr)
-        openai_url = f"http://127.0.0.1:{a.base_port + 80}/v1"
-        model_name = openai_model(openai_url) if "chat" in paths else ""
-        prefill_http = f"127.0.0.1:{a.base_port}"
+        for s in stacks:
+            t0 = time.time()
+            proc, log, log_path = start_up(a, s["tree"], ckpt, s["engine_dir"], work, s["port"])
+            procs.append(proc)
+            logs.append(log)
+            s.update(proc=proc, log_path=log_path, stack=Stack(proc.pid))
+            wait_serving(proc, log_path, s["stack"], timeout=600)
+            print(f"stack {s['label']} ({s['rev'][:12]}) serving after {time.time() - t0:.0f} s (log {log_path})",
+                  file=sys.stderr)
+            s["openai"] = f"http://127.0.0.1:{s['port'] + 80}/v1"
+            s["model"] = openai_model(s["openai"]) if "chat" in paths else ""
         prof_dir = work / "profiles" / time.strftime("%Y%m%d-%H%M%S")
-        plan = [(p, f"round{r + 1}", False) for r in range(a.rounds) for p in paths]
-        plan += [(p, "profiled", True) for p in paths] if a.profile else []
-        for name, tag, prof in plan:
-            if proc.poll() is not None:
-                raise RuntimeError(f"`hetserve up` exited with code {proc.returncode}:\n{_log_tail(log_path)}")
-            path = make_path(name, a, prefill_http, openai_url, model_name)
-            r = measure(a, stack, path, prof, prof_dir, f"{tag}-{name}")
+        plan = []
+        for rnd in range(a.rounds):
+            order = stacks if rnd % 2 == 0 else stacks[::-1]  # A B, B A, ...: a drift of the box hits both
+            plan += [(p, f"round{rnd + 1}", False, s) for s in order for p in paths]
+        plan += [(p, "profiled", True, stacks[0]) for p in paths] if a.profile else []
+        for name, tag, prof, s in plan:
+            if s["proc"].poll() is not None:
+                raise RuntimeError(f"`hetserve up` exited with code {s['proc'].returncode}:\n"
+                                   f"{_log_tail(s['log_path'])}")
+            path = make_path(name, a, f"127.0.0.1:{s['port']}", s["openai"], s["model"])
+            label = f"-{s['label']}" if a.against else ""
+            r = measure(a, s["stack"], path, prof, prof_dir, f"{tag}{label}-{name}", s["port"])
+            r["stack"] = s["label"]
             results.append(r)
             print_window(r)
             print_perf(r)
@@ -929,13 +997,15 @@ def main(argv=None) -> int:
         print(f"\nerror: {e}", file=sys.stderr)
         rc = 1
     finally:
-        notes = teardown(proc, stack, shm_before)
-        if log is not None:
+        notes = teardown(procs, [s["stack"] for s in stacks if "stack" in s], shm_before)
+        for log in logs:
             log.close()
         for n in notes:
             print(f"teardown: {n}", file=sys.stderr)
     if results:
         print_summary(results)
+        if a.against:
+            print_pairs(results, paths, stacks)
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"\nJSON: {out_json}")
