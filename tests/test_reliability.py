@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -510,6 +511,57 @@ def test_ops_to_a_stalled_decode_server_are_forgotten_not_cancelled(cluster):
         client.close()
     assert cluster.decode[1].alive()
     _pool_healthy(cluster, 2)
+
+
+def test_a_crashed_stub_is_replaced_and_the_server_serves_again(cluster, prompt_ids, reference_tokens):
+    """Triton 2.51 leaves a crashed Python-backend stub dead while its model stays READY (every request then fails
+    after a one-second wait, for good). The launcher's StubWatch (stub_watch.py) sees the prefill stub gone,
+    reloads the model, and requests get the same greedy tokens as before the crash."""
+    from hetserve.stub_watch import stub_counts
+
+    _pool_healthy(cluster, 2)
+    server = cluster.prefill
+    assert server.stub_watch is not None
+    prompt = PROMPTS[0]
+    toks, reason, err = _stream(cluster.prefill_grpc, prompt_ids[prompt], max_tokens=8)
+    assert err is None and toks == reference_tokens[prompt][:8]
+    stubs = [p for p in os.listdir("/proc") if p.isdigit() and _stub_of(int(p), server.proc.pid) == "prefill"]
+    assert len(stubs) == 1 and stub_counts(server.proc.pid).get("prefill") == 1
+    reloads0 = server.stub_watch.reloads["prefill"]
+    said: list = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda rec: said.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("hetserve.server").addHandler(handler)
+    os.kill(int(stubs[0]), signal.SIGSEGV)  # what a crash in the stub's native code does
+    t0 = time.time()
+    try:
+        wait_for(lambda: server.stub_watch.reloads["prefill"] > reloads0, 30, "the watch to reload the prefill model")
+    finally:
+        logging.getLogger("hetserve.server").removeHandler(handler)
+
+    def serves():
+        toks, reason, err = _stream(cluster.prefill_grpc, prompt_ids[prompt], max_tokens=8)
+        return toks if err is None else None
+
+    toks = wait_for(serves, 60, "the prefill server to serve again")
+    print(f"\nprefill stub killed by SIGSEGV: reloaded and serving again after {time.time() - t0:.1f} s")
+    assert toks == reference_tokens[prompt][:8]
+    assert stub_counts(server.proc.pid).get("prefill") == 1 and server.alive()
+    assert any("'prefill' is gone (0 of 1 running) while the model reports ready" in m for m in said), said
+
+
+def _stub_of(pid: int, parent: int):
+    """The model whose Python-backend stub `pid` is, when it is a live child of `parent`."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if int(stat[stat.rindex(")") + 2:].split()[1]) != parent:
+            return None
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return None
+    if len(argv) > 1 and b"triton_python_backend_stub" in argv[0]:
+        return Path(argv[1].decode()).parts[-3]
+    return None
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -260,3 +260,20 @@ def test_engine_cpu_clock_counts_the_calling_threads_cpu_not_its_waiting():
         while time.thread_time() - t < 0.1:
             pass
     assert 0.1 <= clock.seconds() < 0.3
+
+
+def test_stub_watch_leaves_a_model_alone_unless_it_reports_ready():
+    """stub_watch.StubWatch (unit, with a fake process table): a model with fewer stubs than at start is reloaded
+    only when Triton says it is READY; here nothing answers, as when the model is loading or was unloaded on
+    purpose, so nothing is reloaded. The reload itself is tested live (test_reliability.py)."""
+    from hetserve.stub_watch import StubWatch
+
+    table = [{"prefill": 1, "llm": 1}, {"llm": 1}]
+    w = StubWatch(0, "127.0.0.1:9", "h", "k", 3600.0, counts=lambda pid: table[0])
+    w.start()
+    try:
+        assert w.baseline == {"prefill": 1, "llm": 1}
+        table[0] = table[1]
+        assert w.check() == [] and not w.reloads
+    finally:
+        w.close()

@@ -41,6 +41,7 @@ from .admin_key import (  # noqa: F401  (re-exported: the launcher's callers use
     admin_key,
     admin_key_file,
 )
+from .stub_watch import StubWatch
 
 log = logging.getLogger("hetserve.server")
 
@@ -462,6 +463,7 @@ class TritonProcess:
         self.shm_prefix = f"{PB_SHM_PREFIX}hetserve-{os.getpid()}-{spec.grpc_port}-{next(_SERVER_SEQ)}_"
         self._shm_seen: Set[str] = set()  # KV regions (hetserve_kv_*) this server's processes were seen mapping
         self._stopped = False  # stop() ran to its end: the group is gone (its pgid may be reused: never signal it)
+        self.stub_watch: Optional[StubWatch] = None  # from wait_ready() to stop(): crashed stubs replaced
 
     def command(self) -> List[str]:
         s = self.spec
@@ -523,11 +525,18 @@ class TritonProcess:
                         if not owns_port(self.proc.pid, self.spec.http_port):
                             raise ServerError(f"{self.spec.role}: port {self.spec.http_port} answers but is not "
                                               f"held by our tritonserver (pid {self.proc.pid})")
+                        self._watch_stubs()
                         return
             except (OSError, http.client.HTTPException):  # not listening yet, or a half-started HTTP frontend
                 pass
             time.sleep(0.5)
         raise ServerError(f"{self.spec.role} server not ready after {timeout:.0f}s (log: {self.spec.log_file})")
+
+    def _watch_stubs(self) -> None:
+        interval = float(config.get("HETSERVE_STUB_WATCH_S"))
+        if interval > 0 and self.stub_watch is None and self.proc is not None:
+            self.stub_watch = StubWatch(self.proc.pid, self.spec.http_url, ADMIN_HEADER, admin_key(), interval,
+                                        name=f"{self.spec.role} server :{self.spec.grpc_port}").start()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -545,6 +554,8 @@ class TritonProcess:
         """SIGTERM the server's process group, SIGKILL what is left of it (python backend stubs can outlive
         tritonserver), then remove its shared-memory regions: its python backend ones (by its prefix) and the KV
         ones it mapped that no live process maps any more. Idempotent; a stop cut short can be run again."""
+        if self.stub_watch is not None:  # first: a stopping server's stubs are not crashes
+            self.stub_watch.close()
         if not self.proc or self._stopped:
             self._close_log()
             return
