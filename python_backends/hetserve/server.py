@@ -556,6 +556,7 @@ class TritonProcess:
         ones it mapped that no live process maps any more. Idempotent; a stop cut short can be run again."""
         if self.stub_watch is not None:  # first: a stopping server's stubs are not crashes
             self.stub_watch.close()
+            self.stub_watch = None  # a restart (the same TritonProcess started again) gets a new one
         if not self.proc or self._stopped:
             self._close_log()
             return
