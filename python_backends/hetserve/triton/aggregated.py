@@ -11,7 +11,7 @@ from ..engines.runtime import load_engine
 from ..sampling import is_stop_token
 from ..scheduler import DecodeScheduler, Sequence
 from .common import check_prompt, engine_dir, grammar_matchers, inp, log_if_ours, sampling_params, send_error, tokenizer
-from .metrics import BusyMeter, Poller
+from .metrics import REGISTRY, BusyMeter, Poller
 from .preprocess import tokenize_request
 from .streaming import TextStreamer
 
@@ -44,6 +44,7 @@ class TritonPythonModel:
         self.poller.close()
         self.work.shutdown()
         self.sched.close()
+        REGISTRY.close()  # last: metrics released while the stub still takes the deletes
 
     def _handle(self, r, sender):
         streamer = None

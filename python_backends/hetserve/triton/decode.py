@@ -223,6 +223,7 @@ class TritonPythonModel:
         if self.snapshots is not None:
             self.snapshots.close()
         self.admit.shutdown()
+        REGISTRY.close()  # last: metrics released while the stub still takes the deletes
 
     def execute(self, requests):
         for r in requests:

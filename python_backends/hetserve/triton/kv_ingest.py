@@ -78,6 +78,7 @@ class TritonPythonModel:
     def finalize(self):
         for r in self._started().values():
             r.close()
+        REGISTRY.close()  # last: metrics released while the stub still takes the deletes
 
     def _started(self) -> Dict[str, TransportReceiver]:
         # a copy: the prepare thread may add a receiver meanwhile (dict() copies in one step under the GIL; the

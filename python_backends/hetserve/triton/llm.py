@@ -230,6 +230,7 @@ class TritonPythonModel:
         self._workers.shutdown(wait=False, cancel_futures=True)
         self.decode_client.close()
         self.pool.close()
+        REGISTRY.close()  # last: metrics released while the stub still takes the deletes
 
     @staticmethod
     def _pool_metrics(members):

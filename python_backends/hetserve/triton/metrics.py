@@ -155,7 +155,8 @@ class Registry:
             return
         try:
             with self._op_lock:  # one metric IPC to the Triton core at a time (request threads + poller)
-                fn()
+                if self.enabled:  # (close() may have run while this waited)
+                    fn()
         except KeyError as e:  # a name missing from _SPECS: our bug, said once (tests/test_layering.py guards)
             if e.args and e.args[0] not in self._unknown:
                 self._unknown.add(e.args[0])
@@ -178,10 +179,15 @@ class Registry:
         self._safe(lambda: self.metric(name, **labels).observe(float(value)))
 
     def close(self):
-        # Metrics must be released before their families (the stub enforces the order).
-        with self._lock:
-            self._metrics.clear()
-            self._families.clear()
+        """Release every metric, then its family, while the stub still takes the deletes: the last step of each
+        model's finalize. Left to the interpreter's exit, they were deleted after the stub's shared memory was
+        gone, and every stub with metrics died of SIGSEGV in Metric::SaveToSharedMemory on every stop (seen in
+        the kernel log, 2026-12-08). Updates after close are dropped."""
+        with self._op_lock:
+            self.enabled = False
+            with self._lock:  # metrics before their families (the stub enforces the order)
+                self._metrics.clear()
+                self._families.clear()
 
 
 REGISTRY = Registry()

@@ -175,6 +175,7 @@ class TritonPythonModel:
             self.admin.close()
         self.stage.close()
         self.poller.close()
+        REGISTRY.close()  # last: metrics released while the stub still takes the deletes
 
     def _on_forward(self, plan, seconds: float):
         self.busy.add(seconds)
