@@ -297,6 +297,7 @@ def cmd_serve(args) -> int:
             print(f"hetserve serve: {e}", file=sys.stderr)
             return 1
         state["serving"] = True  # a container's server: stopping it is the normal end (exit 0)
+        p.watch_stubs_when_ready()  # a crashed Python-backend stub is replaced (stub_watch.py)
         return _supervise(lambda: [p])
 
     return _run_launcher("hetserve serve", body, lambda: state["serving"])

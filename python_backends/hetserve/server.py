@@ -464,6 +464,8 @@ class TritonProcess:
         self._shm_seen: Set[str] = set()  # KV regions (hetserve_kv_*) this server's processes were seen mapping
         self._stopped = False  # stop() ran to its end: the group is gone (its pgid may be reused: never signal it)
         self.stub_watch: Optional[StubWatch] = None  # from wait_ready() to stop(): crashed stubs replaced
+        self._watch_lock = threading.Lock()
+        self._stopping = False
 
     def command(self) -> List[str]:
         s = self.spec
@@ -532,11 +534,23 @@ class TritonProcess:
             time.sleep(0.5)
         raise ServerError(f"{self.spec.role} server not ready after {timeout:.0f}s (log: {self.spec.log_file})")
 
+    def watch_stubs_when_ready(self, timeout: float = 24 * 3600.0) -> None:
+        """For a launcher that does not wait_ready() itself (`hetserve serve`: a container's server may load for
+        minutes): a thread waits for readiness and starts the stub watch; a server that exits first is the
+        supervisor's to report."""
+        def wait() -> None:
+            try:
+                self.wait_ready(timeout)
+            except ServerError as e:
+                log.debug("stub watch not started: %s", e)
+        threading.Thread(target=wait, name="stub-watch-start", daemon=True).start()
+
     def _watch_stubs(self) -> None:
         interval = float(config.get("HETSERVE_STUB_WATCH_S"))
-        if interval > 0 and self.stub_watch is None and self.proc is not None:
-            self.stub_watch = StubWatch(self.proc.pid, self.spec.http_url, ADMIN_HEADER, admin_key(), interval,
-                                        name=f"{self.spec.role} server :{self.spec.grpc_port}").start()
+        with self._watch_lock:  # never after stop() began (a stop is not a crash)
+            if interval > 0 and self.stub_watch is None and self.proc is not None and not self._stopping:
+                self.stub_watch = StubWatch(self.proc.pid, self.spec.http_url, ADMIN_HEADER, admin_key(), interval,
+                                            name=f"{self.spec.role} server :{self.spec.grpc_port}").start()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -554,9 +568,11 @@ class TritonProcess:
         """SIGTERM the server's process group, SIGKILL what is left of it (python backend stubs can outlive
         tritonserver), then remove its shared-memory regions: its python backend ones (by its prefix) and the KV
         ones it mapped that no live process maps any more. Idempotent; a stop cut short can be run again."""
-        if self.stub_watch is not None:  # first: a stopping server's stubs are not crashes
-            self.stub_watch.close()
-            self.stub_watch = None  # a restart (the same TritonProcess started again) gets a new one
+        with self._watch_lock:  # first: a stopping server's stubs are not crashes
+            self._stopping = True
+            watch, self.stub_watch = self.stub_watch, None
+        if watch is not None:
+            watch.close()
         if not self.proc or self._stopped:
             self._close_log()
             return
