@@ -548,6 +548,9 @@ def test_a_crashed_stub_is_replaced_and_the_server_serves_again(cluster, prompt_
     assert toks == reference_tokens[prompt][:8]
     assert stub_counts(server.proc.pid).get("prefill") == 1 and server.alive()
     assert any("'prefill' is gone (0 of 1 running) while the model reports ready" in m for m in said), said
+    # the stub's faulthandler (logs.setup) left its threads' Python stacks in the server's log
+    log = server.log_tail(400_000)
+    assert "Fatal Python error: Segmentation fault" in log and "most recent call first" in log
 
 
 def _stub_of(pid: int, parent: int):

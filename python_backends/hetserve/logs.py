@@ -7,6 +7,7 @@ Level: HETSERVE_LOG_LEVEL (INFO).
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -31,6 +32,10 @@ def setup(component: str, announce: bool = False) -> logging.Logger:
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{component}] %(name)s: %(message)s"))
     root.setLevel(level)
     root.propagate = False  # one line per record even when a host app (uvicorn) configures the root logger
+    if announce and not faulthandler.is_enabled():
+        # a model's stub: a crash in native code (SIGSEGV, SIGABRT...) leaves every thread's Python stack in the
+        # server's log before the stub dies (stub_watch.py then replaces it)
+        faulthandler.enable(file=sys.stderr, all_threads=True)
     (log.info if announce else log.debug)("%s: pid %d, hetserve from %s, logs at %s", component, os.getpid(),
                                           os.path.dirname(os.path.abspath(__file__)), level)
     return root
