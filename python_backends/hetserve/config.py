@@ -190,8 +190,8 @@ _VARS: List[Var] = [
     Var("HETSERVE_BREAKER_OVERLOAD_TRIPS", int, 3, "overload refusals in a row that open the breaker", min=1),
     Var("HETSERVE_HEALTH_INTERVAL_S", float, 5.0, f"decode pool health-check interval, {_S}", min=0),
     Var("HETSERVE_HEALTH_TIMEOUT_S", float, 2.0, f"health-check timeout, {_S}", min=0),
-    Var("HETSERVE_STUB_WATCH_S", float, 2.0, f"how often a launcher looks for a crashed Python-backend stub of its "
-        f"servers and reloads its model (stub_watch.py), {_S}; 0: off", min=0),
+    Var("HETSERVE_STUB_WATCH_S", float, 2.0, f"launcher's check for crashed model stubs, reloaded (stub_watch.py), "
+        f"{_S}; 0: off", min=0),
     Var("HETSERVE_DECODE_STEP_TIMEOUT_S", float, 30.0, f"a decode stream silent this long is migrated, {_S}", min=0),
     Var("HETSERVE_WHOLE_ANSWER_SEND_MS", int, 200, "stream=false requests: decode sends their tokens at most "
         "this often, ms; 0: every step", min=0, max=10000),
