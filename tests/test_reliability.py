@@ -190,8 +190,9 @@ def test_snapshotter_interval_bounds_and_finish_deletes(tmp_path):
     assert sn.restore("r1", [1, 2, 9, 4, 7, 8], (30, 3, 64)) is None  # not a prefix: recompute
     sn.on_finish("r1")
     assert sn.store.count() == 0
-    # a snapshot written and never restored is removed when its sequence ends; one never written costs no
-    # filesystem call
+    # a snapshot written and never restored here is removed when its sequence ends (the directory is shared by
+    # the decode servers: a sequence may end on another server than the one that wrote it, so the end always
+    # removes whatever file its id has)
     Seq.request_id = "r2"
     sn.track("r2", [1, 2, 3, 4])
     time.sleep(0.02)
@@ -199,12 +200,8 @@ def test_snapshotter_interval_bounds_and_finish_deletes(tmp_path):
     while sn.stats["saved"] < 2 and time.time() < deadline:
         time.sleep(0.01)
     assert sn.store.count() == 1
-    deleted = sn.stats["deleted"]
     sn.on_finish("r2")
-    assert sn.store.count() == 0 and sn.stats["deleted"] == deleted + 1
-    sn.track("r3", [1, 2])
-    sn.on_finish("r3")
-    assert sn.stats["deleted"] == deleted + 1
+    assert sn.store.count() == 0
     sn.close()
 
 

@@ -128,9 +128,6 @@ class Snapshotter:
         self.cleanup_every_s = cleanup_every_s
         self.prompts: Dict[str, List[int]] = {}
         self.last: Dict[str, float] = {}  # rid -> monotonic time of its last snapshot (or admission)
-        # in-flight rids that may have a file: written here, or resumed here (another server's file). A sequence
-        # that never had one (most: they finish within the interval) ends without a filesystem call.
-        self.on_disk: set = set()
         self.stats = {"saved": 0, "bytes": 0, "restored": 0, "deleted": 0, "cleaned": 0, "errors": 0}
         self._lock = threading.Lock()
         self._pending: Dict[str, Tuple[List[int], np.ndarray, np.ndarray]] = {}
@@ -158,8 +155,6 @@ class Snapshotter:
 
     def restore(self, rid: str, ctx: List[int], shape) -> Optional[Tuple[int, np.ndarray, np.ndarray]]:
         """(tokens covered, k, v) when a snapshot of `rid` covers a prefix of `ctx`."""
-        with self._lock:
-            self.on_disk.add(rid)
         got = self.store.load(rid, shape)
         if got is None:
             return None
@@ -199,9 +194,6 @@ class Snapshotter:
             self.prompts.pop(rid, None)
             self.last.pop(rid, None)
             self._pending.pop(rid, None)
-            if rid not in self.on_disk:
-                return  # nothing written (a write under way sees the rid gone and deletes its file itself)
-            self.on_disk.discard(rid)
         self.store.delete(rid)
         self.stats["deleted"] += 1
 
@@ -230,7 +222,6 @@ class Snapshotter:
                     with self._lock:
                         if rid in self.prompts:
                             self.last[rid] = time.monotonic()
-                            self.on_disk.add(rid)
                         else:  # finished while we were writing
                             self.store.delete(rid)
                     self.stats["saved"] += 1
