@@ -588,19 +588,14 @@ def engine_cpu(base_port: int) -> Dict[str, float]:
     """{model: CPU seconds inside engine calls} summed over the prefill and first decode server
     (hetserve_engine_cpu_seconds_total, engines/cpu_clock.py; refreshed every HETSERVE_METRICS_INTERVAL_S, 1 s by
     default, so a window's figure is off by up to that much engine time at each end)."""
-    import urllib.request
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_backends"))
+    from hetserve.cluster import metric_samples  # this checkout's /metrics reader (whatever --rev is served)
 
     out: Dict[str, float] = defaultdict(float)
     for port in (base_port + 2, base_port + 1002):
-        try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("hetserve_engine_cpu_seconds_total{"):
-                labels, _, value = line.rpartition(" ")
-                model = labels.split('model="', 1)[1].split('"', 1)[0] if 'model="' in labels else "?"
-                out[model] += float(value)
+        for _, labels, value in metric_samples(f"127.0.0.1:{port}", ["hetserve_engine_cpu_seconds_total"], 5) or []:
+            model = labels.split('model="', 1)[1].split('"', 1)[0] if 'model="' in labels else "?"
+            out[model] += value
     return dict(out)
 
 

@@ -25,7 +25,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from . import config
 from .server import CHILDREN, REPO_ROOT, ServerSpec, TritonProcess, bind_host, check_ports_free
@@ -337,21 +337,34 @@ http {{
         CHILDREN.forget(self)
 
 
-_SAMPLE = re.compile(r'^(hetserve_utilization_ratio|hetserve_queue_depth|hetserve_batch_size)(\{[^}]*\})?\s+(\S+)$')
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
 
 
-def scrape_decode(metrics_url: str, timeout_s: float = 2.0) -> Optional[dict]:
-    """{util, queue, batch} of one decode server from its /metrics, or None if it does not answer."""
+def metric_samples(metrics_url: str, names: Iterable[str],
+                   timeout_s: float = 2.0) -> Optional[List[Tuple[str, str, float]]]:
+    """(name, label text, value) of each sample of `names` on a server's /metrics (Prometheus text), or None if it
+    does not answer."""
     try:
         text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s).read().decode()
     except (OSError, ValueError, http.client.HTTPException):  # down, refused, garbled: "does not answer"
         return None
-    out = {"util": 0.0, "queue": 0.0, "batch": 0.0}
+    wanted = set(names)
+    out = []
     for line in text.splitlines():
         m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, labels, v = m.group(1), m.group(2) or "", float(m.group(3))
+        if m and m.group(1) in wanted:
+            out.append((m.group(1), m.group(2) or "", float(m.group(3))))
+    return out
+
+
+def scrape_decode(metrics_url: str, timeout_s: float = 2.0) -> Optional[dict]:
+    """{util, queue, batch} of one decode server from its /metrics, or None if it does not answer."""
+    samples = metric_samples(metrics_url, ("hetserve_utilization_ratio", "hetserve_queue_depth",
+                                           "hetserve_batch_size"), timeout_s)
+    if samples is None:
+        return None
+    out = {"util": 0.0, "queue": 0.0, "batch": 0.0}
+    for name, labels, v in samples:
         if name == "hetserve_utilization_ratio" and 'model="decode"' in labels:
             out["util"] = v
         elif name == "hetserve_queue_depth":
