@@ -514,7 +514,7 @@ def test_a_crashed_stub_is_replaced_and_the_server_serves_again(cluster, prompt_
     """Triton 2.51 leaves a crashed Python-backend stub dead while its model stays READY (every request then fails
     after a one-second wait, for good). The launcher's StubWatch (stub_watch.py) sees the prefill stub gone,
     reloads the model, and requests get the same greedy tokens as before the crash."""
-    from hetserve.stub_watch import stub_counts
+    from hetserve.stub_watch import stub_counts, stub_models
 
     _pool_healthy(cluster, 2)
     server = cluster.prefill
@@ -522,14 +522,14 @@ def test_a_crashed_stub_is_replaced_and_the_server_serves_again(cluster, prompt_
     prompt = PROMPTS[0]
     toks, reason, err = _stream(cluster.prefill_grpc, prompt_ids[prompt], max_tokens=8)
     assert err is None and toks == reference_tokens[prompt][:8]
-    stubs = [p for p in os.listdir("/proc") if p.isdigit() and _stub_of(int(p), server.proc.pid) == "prefill"]
+    stubs = [pid for pid, model in stub_models(server.proc.pid).items() if model == "prefill"]
     assert len(stubs) == 1 and stub_counts(server.proc.pid).get("prefill") == 1
     reloads0 = server.stub_watch.reloads["prefill"]
     said: list = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = lambda rec: said.append(rec.getMessage())  # type: ignore[method-assign]
     logging.getLogger("hetserve.server").addHandler(handler)
-    os.kill(int(stubs[0]), signal.SIGSEGV)  # what a crash in the stub's native code does
+    os.kill(stubs[0], signal.SIGSEGV)  # what a crash in the stub's native code does
     t0 = time.time()
     try:
         wait_for(lambda: server.stub_watch.reloads["prefill"] > reloads0, 30, "the watch to reload the prefill model")
@@ -548,20 +548,6 @@ def test_a_crashed_stub_is_replaced_and_the_server_serves_again(cluster, prompt_
     # the stub's faulthandler (logs.setup) left its threads' Python stacks in the server's log
     log = server.log_tail(400_000)
     assert "Fatal Python error: Segmentation fault" in log and "most recent call first" in log
-
-
-def _stub_of(pid: int, parent: int):
-    """The model whose Python-backend stub `pid` is, when it is a live child of `parent`."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if int(stat[stat.rindex(")") + 2:].split()[1]) != parent:
-            return None
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except (OSError, ValueError, IndexError):
-        return None
-    if len(argv) > 1 and b"triton_python_backend_stub" in argv[0]:
-        return Path(argv[1].decode()).parts[-3]
-    return None
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

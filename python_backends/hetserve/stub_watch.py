@@ -34,10 +34,10 @@ STUB_BINARY = "triton_python_backend_stub"
 MIN_RELOAD_GAP_S = 30.0
 
 
-def stub_counts(server_pid: int) -> Dict[str, int]:
-    """{model: live Python-backend stubs} among the direct children of `server_pid` (a stub's argv[1] is
-    <repository>/<model>/<version>/model.py)."""
-    counts: Dict[str, int] = collections.Counter()
+def stub_models(server_pid: int) -> Dict[int, str]:
+    """{pid: model} of the live Python-backend stubs among the direct children of `server_pid` (a stub's argv[1]
+    is <repository>/<model>/<version>/model.py)."""
+    stubs: Dict[int, str] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -52,8 +52,13 @@ def stub_counts(server_pid: int) -> Dict[str, int]:
         if len(argv) > 1 and argv[0].endswith(STUB_BINARY.encode()):
             parts = Path(argv[1].decode(errors="replace")).parts
             if len(parts) >= 3:
-                counts[parts[-3]] += 1
-    return dict(counts)
+                stubs[int(d)] = parts[-3]
+    return stubs
+
+
+def stub_counts(server_pid: int) -> Dict[str, int]:
+    """{model: live Python-backend stubs} among the direct children of `server_pid`."""
+    return dict(collections.Counter(stub_models(server_pid).values()))
 
 
 class StubWatch:
