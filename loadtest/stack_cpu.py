@@ -467,8 +467,7 @@ def _log_tail(path: Path, n: int = 3000) -> str:
         return ""
 
 
-def start_up(a, tree: Path, ckpt: Path, engine_dir: Path, work: Path, base_port: Optional[int] = None):
-    base_port = a.base_port if base_port is None else base_port
+def start_up(a, tree: Path, ckpt: Path, engine_dir: Path, work: Path, base_port: int):
     log_path = work / f"up-{base_port}.log"
     log = open(log_path, "wb")
     env = dict(os.environ)
@@ -599,10 +598,8 @@ def engine_cpu(base_port: int) -> Dict[str, float]:
     return dict(out)
 
 
-def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: str,
-            base_port: Optional[int] = None) -> dict:
+def measure(a, stack: Stack, path: Path_, profile: bool, prof_dir: Path, tag: str, port: int) -> dict:
     snaps = {}
-    port = a.base_port if base_port is None else base_port
     me = os.getpid()
     prof = []
 
